@@ -1,0 +1,191 @@
+"""Differing spans between two rendered prompts, and the canonicalizer rule that removes each.
+
+Byte-level helpers for the breaker search: the first difference after an offset (galloping
+``memcmp`` comparisons, no Python step per byte), the point where two prompts agree again after
+a short difference, and a classification of the difference:
+
+- ``volatile_uuids``, ``volatile_timestamps``, ``volatile_hex_ids``: the span lies inside a
+  UUID, a date/time/epoch value, or a long hex identifier on both sides;
+- ``whitespace``: only line endings or trailing blanks differ;
+- ``stable_json`` is decided at segment level (see ``breakers``), not here;
+- otherwise a regex suggestion for a custom volatile pattern, built from the literal text just
+  before the value and the value's character class.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+RULE_STABLE_JSON = "stable_json"
+RULE_WHITESPACE = "whitespace"
+RULE_TIMESTAMPS = "volatile_timestamps"
+RULE_UUIDS = "volatile_uuids"
+RULE_HEX = "volatile_hex_ids"
+RULE_REWRITTEN = "none: content rewritten (no safe rule)"
+CUSTOM_PREFIX = "custom pattern: "
+
+RESYNC_PROBE = 16  # bytes that must agree again for a difference to count as a span
+MAX_SPAN = 160  # longer differences are new content, not a volatile value
+_WINDOW = 48  # bytes either side of a span searched for a pattern that covers it
+
+_MONTH = rb"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)[a-z]*\.?"
+_DAY = rb"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)[a-z]*,?"
+_PATTERNS: tuple[tuple[str, re.Pattern[bytes]], ...] = (
+    (
+        RULE_UUIDS,
+        re.compile(rb"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"),
+    ),
+    (
+        RULE_TIMESTAMPS,
+        re.compile(
+            rb"\d{4}-\d{2}-\d{2}(?:[T ]\d{1,2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?"
+            rb"(?:\s?(?:Z|UTC|[+-]\d{2}:?\d{2}))?)?"
+            rb"|\d{1,2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:\s?[AaPp][Mm])?"
+            rb"|\d{1,2}/\d{1,2}/\d{2,4}"
+            rb"|(?:" + _DAY + rb"\s+)?" + _MONTH + rb"\s+\d{1,2}(?:st|nd|rd|th)?,?\s+\d{4}"
+            rb"|(?:" + _DAY + rb"\s+)?\d{1,2}\s+" + _MONTH + rb"\s+\d{4}"
+            rb"|(?<![\d.])1[5-9]\d{8}(?:\d{3})?(?:\.\d+)?(?![\d.])"
+        ),
+    ),
+    (
+        RULE_HEX,
+        re.compile(rb"(?<![0-9A-Za-z])(?=[0-9a-fA-F]*\d)(?=[0-9a-fA-F]*[a-fA-F])[0-9a-fA-F]{8,}"),
+    ),
+)
+_BLANK = frozenset(b" \t\r\n")
+_TOKEN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:+-/")
+
+
+def first_difference(a: bytes, i: int, b: bytes, j: int) -> int:
+    """Length of the common run of ``a[i:]`` and ``b[j:]``."""
+    n = min(len(a) - i, len(b) - j)
+    if n <= 0:
+        return 0
+    done, step = 0, 64
+    while done < n:  # gallop with growing chunks, then bisect the first unequal one
+        size = min(step, n - done)
+        if a[i + done : i + done + size] != b[j + done : j + done + size]:
+            lo, hi = 0, size - 1  # common length within this chunk lies in [lo, hi]
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if a[i + done : i + done + mid] == b[j + done : j + done + mid]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return done + lo
+        done += size
+        step = min(step * 2, 1 << 16)
+    return n
+
+
+def resync(a: bytes, i: int, b: bytes, j: int) -> tuple[int, int] | None:
+    """Offsets after a short difference where ``a`` and ``b`` agree again, or None.
+
+    Picks the pair of span lengths with the smallest sum such that the next ``RESYNC_PROBE``
+    bytes agree; differences longer than ``MAX_SPAN`` on either side are not spans.
+    """
+    best: tuple[int, int] | None = None
+    for lb in range(MAX_SPAN + 1):
+        if best is not None and lb >= best[0] + best[1]:
+            break
+        probe = b[j + lb : j + lb + RESYNC_PROBE]
+        if len(probe) < RESYNC_PROBE:
+            break
+        found = a.find(probe, i, i + MAX_SPAN + RESYNC_PROBE)
+        if found >= 0 and (best is None or (found - i) + lb < best[0] + best[1]):
+            best = (found - i, lb)
+    if best is None:
+        return None
+    return i + best[0], j + best[1]
+
+
+@dataclass(frozen=True, slots=True)
+class SpanKind:
+    """What a differing span is and which canonicalizer rule would remove it."""
+
+    rule: str
+    before: str  # the value in the earlier request
+    after: str  # the value in this request
+    context: str  # literal text just before the value
+
+
+def _covering(pattern: re.Pattern[bytes], data: bytes, lo: int, hi: int) -> tuple[int, int] | None:
+    """The match of ``pattern`` that covers ``data[lo:hi]`` (an insertion point if empty)."""
+    start = max(0, lo - _WINDOW)
+    for m in pattern.finditer(data, start, min(len(data), hi + _WINDOW)):
+        if m.start() <= lo and m.end() >= hi:
+            return m.start(), m.end()
+        if m.start() > lo:
+            break
+    return None
+
+
+def _line_end_blanks(data: bytes, lo: int, hi: int) -> bool:
+    """Whether ``data[lo:hi]`` is only carriage returns, or blanks that end their line."""
+    span = data[lo:hi]
+    if not _BLANK.issuperset(span):
+        return False
+    if not span.strip(b"\r"):
+        return True
+    return data[hi : hi + 1] in (b"\n", b"\r", b"")
+
+
+def _token(data: bytes, lo: int, hi: int) -> tuple[int, int]:
+    """Widen ``data[lo:hi]`` to the whole identifier-like token around it."""
+    while lo > 0 and data[lo - 1] in _TOKEN and hi - lo < MAX_SPAN:
+        lo -= 1
+    while hi < len(data) and data[hi] in _TOKEN and hi - lo < MAX_SPAN:
+        hi += 1
+    return lo, hi
+
+
+def _context(data: bytes, lo: int) -> bytes:
+    """Up to two words of literal text before ``lo`` on the same line."""
+    start = max(0, lo - 24)
+    head = data[start:lo]
+    for stop in (b"\n", b"\x1e", b'"'):
+        cut = head.rfind(stop)
+        if cut >= 0:
+            head = head[cut + 1 :]
+    words = head.split(b" ")
+    return b" ".join(words[-3:]) if len(words) > 3 else head
+
+
+def _show(data: bytes) -> str:
+    return data.decode("utf-8", "replace").replace("\x1e", "⏎")
+
+
+def classify(a: bytes, a_lo: int, a_hi: int, b: bytes, b_lo: int, b_hi: int) -> SpanKind:
+    """Name the rule that would make ``a[a_lo:a_hi]`` and ``b[b_lo:b_hi]`` not matter."""
+    sa, sb = a[a_lo:a_hi], b[b_lo:b_hi]
+    if _line_end_blanks(a, a_lo, a_hi) and _line_end_blanks(b, b_lo, b_hi):
+        return SpanKind(RULE_WHITESPACE, _show(sa), _show(sb), _show(_context(b, b_lo)))
+    for rule, pattern in _PATTERNS:
+        ma = _covering(pattern, a, a_lo, a_hi)
+        mb = _covering(pattern, b, b_lo, b_hi)
+        if ma is not None and mb is not None:
+            va, vb = a[ma[0] : ma[1]], b[mb[0] : mb[1]]
+            return SpanKind(rule, _show(va), _show(vb), _show(_context(b, mb[0])))
+    ta, tb = _token(a, a_lo, a_hi), _token(b, b_lo, b_hi)
+    va, vb = a[ta[0] : ta[1]], b[tb[0] : tb[1]]
+    if (not va and not vb) or b"\x1e" in sa + sb or max(len(va), len(vb)) > 64:
+        return SpanKind(RULE_REWRITTEN, _show(sa), _show(sb), _show(_context(b, b_lo)))
+    context = _context(b, tb[0])
+    return SpanKind(
+        CUSTOM_PREFIX + suggest_pattern(context, va, vb), _show(va), _show(vb), _show(context)
+    )
+
+
+def suggest_pattern(context: bytes, before: bytes, after: bytes) -> str:
+    """A regex for a volatile value: the literal text before it, then its character class."""
+    values = before + after
+    if values.isdigit():
+        cls = r"\d+"
+    elif values.isalnum():
+        cls = r"[A-Za-z0-9]+"
+    elif all(c in _TOKEN for c in values):
+        cls = r"[\w.:+/-]+"
+    else:
+        cls = r"\S+"
+    return re.escape(context.decode("utf-8", "replace")) + cls

@@ -1,0 +1,1 @@
+"""prefixgate: the prompt-caching reverse proxy."""

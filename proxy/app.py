@@ -1,0 +1,107 @@
+"""The aiohttp application: middlewares, routes, and the resources opened with it.
+
+Resources (the upstream ``ClientSession``, the store, backend detection) are opened and closed
+in one ``cleanup_ctx`` context manager; handlers reach them through the typed ``STATE`` key.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from proxy import handlers
+from proxy.config import Settings
+from proxy.errors import ProxyError, error_response
+from proxy.fleet import Fleet
+from proxy.log import get_logger
+from proxy.prefixes import PrefixTracker
+from proxy.records import RecordBuilder, RecordWriter, monotonic
+from proxy.state import REQUEST_ID, STATE, T_START, ProxyState
+from proxy.store import StoreOptions, StoreTimeouts, open_store
+
+log = get_logger()
+_REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def request_context(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Stamp arrival time and request id; turn stray failures into OpenAI-shaped errors."""
+    request[T_START] = monotonic()
+    given = request.headers.get("X-Request-Id", "")
+    rid = given if _REQUEST_ID_OK.match(given) else uuid.uuid4().hex
+    request[REQUEST_ID] = rid
+    structlog.contextvars.bind_contextvars(request_id=rid)
+    try:
+        resp = await handler(request)
+    except ProxyError as exc:
+        resp = exc.to_response(request_id=rid)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        resp = error_response(
+            exc.status, exc.reason, type_="invalid_request_error", request_id=rid
+        )
+    except Exception:
+        log.exception("unhandled_error", path=request.path)
+        resp = error_response(500, "internal proxy error", type_="server_error", request_id=rid)
+    finally:
+        structlog.contextvars.unbind_contextvars("request_id")
+    if not resp.prepared:
+        resp.headers["X-Request-Id"] = rid
+    return resp
+
+
+def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.Application:
+    """The proxy as an aiohttp application (not yet started)."""
+    app = web.Application(
+        middlewares=[request_context], client_max_size=settings.max_body_bytes
+    )
+    record_writer = writer or RecordWriter(logger=get_logger("prefixgate.records"))
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
+        session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout())
+        t = settings.timeouts
+        store = open_store(
+            redis_url=settings.redis_url,
+            options=StoreOptions(
+                stats_retention_s=settings.stats_retention_s,
+                timeouts=StoreTimeouts(lookup_s=t.store),
+            ),
+        )
+        fleet = Fleet(settings.backends, dialect=settings.dialect)
+        state = ProxyState(
+            settings=settings,
+            session=session,
+            fleet=fleet,
+            store=store,
+            tracker=PrefixTracker(store, block_bytes=settings.block_bytes,
+                                  log_prompt_labels=settings.log_prompts),
+            writer=record_writer,
+            builder=RecordBuilder(slo=settings.slo, pricing=settings.pricing),
+        )
+        app[STATE] = state
+        await fleet.start(session)
+        log.info("proxy_ready", backends=[b.url for b in settings.backends],
+                 store="redis" if settings.redis_url else "embedded")
+        try:
+            yield
+        finally:
+            await fleet.aclose()
+            await record_writer.drain()
+            await session.close()
+            await store.aclose()
+
+    app.cleanup_ctx.append(resources)
+    app.router.add_get("/healthz", handlers.healthz)
+    app.router.add_get("/readyz", handlers.readyz)
+    for path in handlers.INFERENCE_PATHS:
+        app.router.add_post(path, handlers.inference)
+    app.router.add_route("*", "/{tail:.*}", handlers.passthrough)
+    return app

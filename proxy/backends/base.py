@@ -1,0 +1,143 @@
+"""The interface every backend dialect implements, and the OpenAI-compatible default.
+
+A dialect knows three things about its server: how to prepare a request body before it goes
+upstream (ask for usage on streams), how to read token counts, cache hits and timings out of a
+response or a stream event, and what the server says about itself at start-up (slots, context).
+Everything outside ``proxy/backends/`` talks to a ``Dialect`` and never names a server.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from proxy.records import Observation
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+NATIVE_COMPLETION = "/completion"
+INFERENCE_ROUTES = (CHAT, COMPLETIONS, NATIVE_COMPLETION)
+
+
+class EventKind(enum.Enum):
+    """What one stream event carries, as far as timing and usage go."""
+
+    OTHER = 0  # role-only deltas, empty chunks, unknown shapes
+    TOKEN = 1  # a token of any kind (reasoning included)
+    VISIBLE = 2  # a token the user sees: content or tool calls, not reasoning
+    USAGE_ONLY = 3  # the final usage event (``choices: []``)
+    ERROR = 4  # an ``{"error": …}`` event
+
+
+@dataclass(frozen=True, slots=True)
+class BackendInfo:
+    """What a backend says about itself at start-up."""
+
+    dialect: str
+    model: str | None = None
+    slots: int | None = None
+    ctx_per_slot: int | None = None
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        """Tokens of KV cache the backend can hold across its slots, when it says."""
+        if self.slots and self.ctx_per_slot:
+            return self.slots * self.ctx_per_slot
+        return None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _nonempty(value: Any) -> bool:
+    return isinstance(value, str) and value != ""
+
+
+class Dialect:
+    """An OpenAI-compatible server: usage in ``usage``, cached tokens when it reports them."""
+
+    name = "openai"
+
+    def prepare(self, route: str, body: MutableMapping[str, Any], *, stream: bool) -> bool:
+        """Adjust ``body`` in place before it goes upstream.
+
+        Returns True when the proxy asked for a usage event the client did not ask for, so the
+        relay must strip it on the way back.
+        """
+        if not stream or route == NATIVE_COMPLETION:
+            return False
+        opts = body.get("stream_options")
+        if isinstance(opts, Mapping) and opts.get("include_usage") is True:
+            return False
+        new_opts = dict(opts) if isinstance(opts, Mapping) else {}
+        new_opts["include_usage"] = True
+        body["stream_options"] = new_opts
+        return True
+
+    # -- reading responses -------------------------------------------------------------------
+
+    def read_response(self, route: str, obj: Mapping[str, Any], obs: Observation) -> None:
+        """Read usage and timings from a complete (non-streamed) response body."""
+        self.read_usage(obj, obs)
+
+    def read_usage(self, obj: Mapping[str, Any], obs: Observation) -> None:
+        usage = obj.get("usage")
+        if not isinstance(usage, Mapping):
+            return
+        obs.prompt_tokens = _int(usage.get("prompt_tokens"))
+        obs.completion_tokens = _int(usage.get("completion_tokens"))
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, Mapping):
+            obs.cached_tokens = _int(details.get("cached_tokens"))
+        cdetails = usage.get("completion_tokens_details")
+        if isinstance(cdetails, Mapping):
+            obs.reasoning_tokens = _int(cdetails.get("reasoning_tokens"))
+
+    def classify_event(self, route: str, obj: Mapping[str, Any], obs: Observation) -> EventKind:
+        """Classify one stream event and read any usage it carries."""
+        if "error" in obj and "choices" not in obj:
+            return EventKind.ERROR
+        if "usage" in obj and isinstance(obj.get("usage"), Mapping):
+            self.read_usage(obj, obs)
+        choices = obj.get("choices")
+        if not isinstance(choices, list):
+            return EventKind.OTHER
+        if not choices:
+            return EventKind.USAGE_ONLY if "usage" in obj else EventKind.OTHER
+        kind = EventKind.OTHER
+        for choice in choices:
+            if not isinstance(choice, Mapping):
+                continue
+            if route == COMPLETIONS:
+                if _nonempty(choice.get("text")):
+                    return EventKind.VISIBLE
+                continue
+            delta = choice.get("delta")
+            if not isinstance(delta, Mapping):
+                continue
+            if _nonempty(delta.get("content")) or delta.get("tool_calls"):
+                return EventKind.VISIBLE
+            if _nonempty(delta.get("reasoning_content")) or _nonempty(delta.get("reasoning")):
+                kind = EventKind.TOKEN
+        return kind
+
+    def carried_on_strip(self, usage_event: Mapping[str, Any]) -> dict[str, Any]:
+        """Fields of a stripped usage event the client would have seen on the finishing event."""
+        return {}
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    async def describe(self, session: aiohttp.ClientSession, base_url: str) -> BackendInfo:
+        """What the backend says about itself; the generic server says nothing."""
+        return BackendInfo(dialect=self.name)

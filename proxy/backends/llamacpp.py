@@ -1,0 +1,100 @@
+"""llama.cpp ``llama-server``: ``timings`` on responses, native ``/completion``, ``/props``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from proxy.backends.base import (
+    NATIVE_COMPLETION,
+    BackendInfo,
+    Dialect,
+    EventKind,
+    _float,
+    _int,
+    _nonempty,
+)
+from proxy.records import Observation
+
+
+class LlamaCppDialect(Dialect):
+    """llama-server. Cached tokens are always reported (``timings.cache_n``, also in usage)."""
+
+    name = "llamacpp"
+
+    def read_timings(self, obj: Mapping[str, Any], obs: Observation) -> None:
+        timings = obj.get("timings")
+        if not isinstance(timings, Mapping):
+            return
+        cache_n = _int(timings.get("cache_n"))
+        prompt_n = _int(timings.get("prompt_n"))
+        if cache_n is not None:
+            obs.cached_tokens = cache_n
+        if prompt_n is not None:
+            obs.backend_prompt_processed = prompt_n
+            if obs.prompt_tokens is None and cache_n is not None:
+                obs.prompt_tokens = prompt_n + cache_n
+        obs.backend_prefill_ms = _float(timings.get("prompt_ms"))
+        obs.backend_decode_ms = _float(timings.get("predicted_ms"))
+        predicted_n = _int(timings.get("predicted_n"))
+        if predicted_n is not None and predicted_n >= 2:
+            obs.backend_tpot_ms = _float(timings.get("predicted_per_token_ms"))
+
+    def read_native(self, obj: Mapping[str, Any], obs: Observation) -> None:
+        evaluated = _int(obj.get("tokens_evaluated"))
+        predicted = _int(obj.get("tokens_predicted"))
+        if evaluated is not None:
+            obs.prompt_tokens = evaluated
+        if predicted is not None:
+            obs.completion_tokens = predicted
+
+    def read_response(self, route: str, obj: Mapping[str, Any], obs: Observation) -> None:
+        if route == NATIVE_COMPLETION:
+            self.read_native(obj, obs)
+        else:
+            self.read_usage(obj, obs)
+        self.read_timings(obj, obs)
+
+    def classify_event(self, route: str, obj: Mapping[str, Any], obs: Observation) -> EventKind:
+        if route == NATIVE_COMPLETION:
+            if "error" in obj and "content" not in obj:
+                return EventKind.ERROR
+            if obj.get("stop") is True:
+                self.read_native(obj, obs)
+                self.read_timings(obj, obs)
+            return EventKind.VISIBLE if _nonempty(obj.get("content")) else EventKind.OTHER
+        kind = super().classify_event(route, obj, obs)
+        self.read_timings(obj, obs)
+        return kind
+
+    def carried_on_strip(self, usage_event: Mapping[str, Any]) -> dict[str, Any]:
+        # Without include_usage llama-server attaches `timings` to the finish_reason chunk.
+        timings = usage_event.get("timings")
+        return {"timings": timings} if timings is not None else {}
+
+    async def describe(self, session: aiohttp.ClientSession, base_url: str) -> BackendInfo:
+        props = await fetch_json(session, base_url + "/props")
+        if not isinstance(props, Mapping):
+            return BackendInfo(dialect=self.name)
+        settings = props.get("default_generation_settings")
+        n_ctx = _int(settings.get("n_ctx")) if isinstance(settings, Mapping) else None
+        alias = props.get("model_alias")
+        return BackendInfo(
+            dialect=self.name,
+            model=alias if isinstance(alias, str) else None,
+            slots=_int(props.get("total_slots")),
+            ctx_per_slot=n_ctx,
+        )
+
+
+async def fetch_json(session: aiohttp.ClientSession, url: str, timeout: float = 3.0) -> Any:
+    """GET ``url`` and decode JSON; None on any failure (start-up probing must not raise)."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                return None
+            return await resp.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None

@@ -1,0 +1,57 @@
+"""vLLM's OpenAI-compatible server.
+
+Cached tokens appear in ``usage.prompt_tokens_details.cached_tokens`` only when the server runs
+with ``--enable-prompt-tokens-details``; older servers omit the key when the count is 0. A missing
+key is therefore recorded as unknown, never as zero. With ``--enable-per-request-metrics`` the
+final usage event carries ``metrics.time_to_first_token_ms``, read as the backend's prefill time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from proxy.backends.base import BackendInfo, Dialect, EventKind, _float
+from proxy.backends.llamacpp import fetch_json
+from proxy.records import Observation
+
+
+class VllmDialect(Dialect):
+    """vLLM (V1 engine)."""
+
+    name = "vllm"
+
+    def _read_metrics(self, obj: Mapping[str, Any], obs: Observation) -> None:
+        metrics = obj.get("metrics")
+        if isinstance(metrics, Mapping):
+            ttft = _float(metrics.get("time_to_first_token_ms"))
+            queue = _float(metrics.get("queue_time_ms")) or 0.0
+            if ttft is not None:
+                obs.backend_prefill_ms = max(ttft - queue, 0.0)
+            itl = _float(metrics.get("mean_itl_ms"))
+            if itl is not None:
+                obs.backend_tpot_ms = itl
+
+    def read_response(self, route: str, obj: Mapping[str, Any], obs: Observation) -> None:
+        super().read_response(route, obj, obs)
+        self._read_metrics(obj, obs)
+
+    def classify_event(self, route: str, obj: Mapping[str, Any], obs: Observation) -> EventKind:
+        kind = super().classify_event(route, obj, obs)
+        if kind is EventKind.USAGE_ONLY:
+            self._read_metrics(obj, obs)
+        return kind
+
+    async def describe(self, session: aiohttp.ClientSession, base_url: str) -> BackendInfo:
+        models = await fetch_json(session, base_url + "/v1/models")
+        model = None
+        ctx = None
+        if isinstance(models, Mapping) and isinstance(models.get("data"), list) and models["data"]:
+            first = models["data"][0]
+            if isinstance(first, Mapping):
+                model = first.get("id") if isinstance(first.get("id"), str) else None
+                ml = first.get("max_model_len")
+                ctx = ml if isinstance(ml, int) else None
+        return BackendInfo(dialect=self.name, model=model, ctx_per_slot=ctx)

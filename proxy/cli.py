@@ -1,0 +1,72 @@
+"""The ``prefixgate`` command: ``serve`` the proxy, ``analyze`` logs and traces.
+
+Thin by design: parse, resolve settings, run; a bad setting prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from proxy.config import ConfigError, add_serve_arguments, resolve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefixgate",
+        description="Prompt-caching proxy for llama.cpp and vLLM backends.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser(
+        "serve",
+        help="run the proxy in front of one or more backends",
+        description=(
+            "Serve the OpenAI API in front of llama-server / vLLM backends. Every option can "
+            "also be set as PREFIXGATE_<NAME> in the environment or in the TOML file given by "
+            "--config; flags win over the environment, which wins over the file."
+        ),
+    )
+    add_serve_arguments(serve)
+    # The analyzer is an offline tool; proxy/ only hands it the command line.
+    from analyzers.cli import add_analyze_parser
+
+    add_analyze_parser(sub)
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    from proxy.app import build_app
+    from proxy.log import configure_logging, get_logger
+
+    try:
+        settings = resolve(args)
+    except ConfigError as exc:
+        print(f"prefixgate: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(level=settings.log_level, log_file=settings.log_file)
+    get_logger().info("starting", host=settings.host, port=settings.port)
+    web.run_app(
+        build_app(settings),
+        host=settings.host,
+        port=settings.port,
+        handler_cancellation=True,  # a client that goes away cancels its upstream request
+        access_log=None,
+        print=None,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    from analyzers.cli import run_analyze
+
+    return run_analyze(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""Settings: one frozen object, resolved once at start-up.
+
+Sources, highest precedence first: command-line flags, ``PREFIXGATE_*`` environment variables,
+the optional TOML file (``--config`` / ``PREFIXGATE_CONFIG``), then defaults. Nothing else in the
+proxy reads ``os.environ``. Every option is declared once in ``OPTIONS``; the CLI's ``--help``,
+the environment names and the TOML keys all come from that table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from proxy.records import Pricing, Slo
+
+ENV_PREFIX = "PREFIXGATE_"
+DIALECTS = ("auto", "llamacpp", "vllm", "openai")
+
+
+class ConfigError(Exception):
+    """A setting is missing or has a value that cannot be used."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """One backend replica."""
+
+    url: str
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Upstream timeouts in seconds. A stream never has a total timeout."""
+
+    connect: float = 10.0
+    idle: float = 600.0
+    store: float = 0.005
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything the proxy is configured with."""
+
+    backends: tuple[BackendSpec, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dialect: str = "auto"
+    backend_api_key: str | None = None
+    redis_url: str | None = None
+    log_file: str | None = None
+    log_level: str = "info"
+    log_prompts: bool = False
+    max_body_bytes: int = 32 * 1024 * 1024
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    slo: Slo = field(default_factory=Slo)
+    pricing: Pricing = field(default_factory=Pricing)
+    block_bytes: int = 256
+    capacity_tokens: int | None = None
+    stats_retention_s: int = 7 * 24 * 3600
+    canonicalize: bool = True
+    canonical_dry_run: bool = False
+    canonical: Mapping[str, Any] = field(default_factory=dict)
+    admin_token: str | None = None
+    config_file: str | None = None
+
+    @property
+    def primary_backend(self) -> BackendSpec:
+        return self.backends[0]
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in {"1", "true", "yes", "on"}:
+        return True
+    if text in {"0", "false", "no", "off", ""}:
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+def _opt_float(value: Any) -> float | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in {"", "none", "off"}):
+        return None
+    return float(value)
+
+
+def _size(value: Any) -> int:
+    """Bytes, accepting suffixes k/m/g (binary)."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().lower().removesuffix("b").removesuffix("i")
+    mult = {"k": 1024, "m": 1024**2, "g": 1024**3}.get(text[-1:], 1)
+    return int(float(text[:-1] if mult > 1 else text) * mult)
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One setting: its flag, environment variable, TOML key, type and help."""
+
+    name: str
+    cast: Callable[[Any], Any]
+    help: str
+    default: Any = None
+    flag: str | None = None
+    metavar: str | None = None
+    is_flag: bool = False
+    repeat: bool = False
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def cli(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("backend", str, "backend base URL (repeat for replicas; URL=WEIGHT sets a weight)",
+           repeat=True, metavar="URL"),
+    Option("host", str, "address to listen on", "127.0.0.1"),
+    Option("port", int, "port to listen on", 8000),
+    Option("dialect", str, "backend dialect: auto (detect from /props or /version), llamacpp, "
+           "vllm, openai", "auto"),
+    Option("backend_api_key", str, "API key the proxy sends to the backend (kept server-side)"),
+    Option("redis_url", str, "Redis URL for shared prefix index and statistics "
+           "(default: embedded in-process store)", metavar="URL"),
+    Option("log_file", str, "write request records (JSON lines) here instead of stdout",
+           metavar="PATH"),
+    Option("log_level", str, "log level: debug, info, warning, error", "info"),
+    Option("log_prompts", _bool, "opt in to logging request bodies in records (off: only hashes "
+           "and sizes are logged)", False, is_flag=True),
+    Option("max_body_bytes", _size, "largest request body accepted (413 above); k/m/g suffixes",
+           32 * 1024 * 1024, metavar="BYTES"),
+    Option("connect_timeout", float, "seconds to connect to a backend (504 after)", 10.0,
+           metavar="S"),
+    Option("idle_timeout", float, "seconds without a byte from the backend before giving up "
+           "(504, or an error event mid-stream); never a total timeout", 600.0, metavar="S"),
+    Option("store_timeout", float, "seconds the request path waits for the shared store before "
+           "serving without it", 0.005, metavar="S"),
+    Option("slo_ttft_ms", _opt_float, "SLO on time to first token, ms ('off' to disable)", 2000.0,
+           metavar="MS"),
+    Option("slo_tpot_ms", _opt_float, "SLO on time per output token, ms ('off' to disable)", 100.0,
+           metavar="MS"),
+    Option("price_input_per_mtok", _opt_float, "USD per million uncached input tokens "
+           "(enables saved_usd)", None, metavar="USD"),
+    Option("price_cached_input_per_mtok", _opt_float, "USD per million cached input tokens", None,
+           metavar="USD"),
+    Option("block_bytes", int, "prefix block size in bytes for fingerprints", 256, metavar="N"),
+    Option("capacity_tokens", int, "prefix-index capacity per replica in tokens "
+           "(default: from the backend's /props, else 131072)", None, metavar="N"),
+    Option("stats_retention_s", int, "how long statistics are kept, seconds", 7 * 24 * 3600,
+           metavar="S"),
+    Option("canonicalize", _bool, "rewrite prompts so stable segments come first "
+           "(--no-canonicalize turns it off)", True, is_flag=True),
+    Option("canonical_dry_run", _bool, "compute and record canonicalization, forward the "
+           "original", False, is_flag=True),
+    Option("admin_token", str, "bearer token required on admin routes (/stats, /dashboard, "
+           "/metrics)"),
+)
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare every option on ``parser``; defaults are left to ``resolve``."""
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                        help=f"TOML settings file (env {ENV_PREFIX}CONFIG)")
+    for opt in OPTIONS:
+        env = f"env {opt.env}"
+        shown = f"; default {opt.default}" if opt.default not in (None, False) else ""
+        if opt.is_flag:
+            parser.add_argument(opt.cli, dest=opt.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=f"{opt.help} ({env}{shown})")
+        elif opt.repeat:
+            parser.add_argument(opt.cli, dest=opt.name, action="append", metavar=opt.metavar,
+                                default=argparse.SUPPRESS, help=f"{opt.help} ({env}, "
+                                "comma-separated)")
+        else:
+            parser.add_argument(opt.cli, dest=opt.name, metavar=opt.metavar,
+                                default=argparse.SUPPRESS, help=f"{opt.help} ({env}{shown})")
+
+
+def _parse_backend(text: str) -> BackendSpec:
+    url, _, weight = text.strip().partition("=")
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"backend URL must start with http:// or https://: {text!r}")
+    return BackendSpec(url=url, weight=float(weight) if weight else 1.0)
+
+
+def _backends(value: Any) -> tuple[BackendSpec, ...]:
+    items: list[Any] = []
+    for v in value if isinstance(value, list | tuple) else [value]:
+        if isinstance(v, Mapping):
+            items.append(BackendSpec(url=str(v["url"]).rstrip("/"),
+                                     weight=float(v.get("weight", 1.0))))
+        else:
+            items.extend(_parse_backend(p) for p in str(v).split(",") if p.strip())
+    return tuple(items)
+
+
+def resolve(
+    args: Mapping[str, Any] | argparse.Namespace,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Build the one ``Settings`` object from flags, environment and TOML file."""
+    flags = dict(vars(args)) if isinstance(args, argparse.Namespace) else dict(args)
+    env = dict(os.environ if environ is None else environ)
+    config_path = flags.pop("config", None) or env.get(ENV_PREFIX + "CONFIG")
+    toml: dict[str, Any] = {}
+    if config_path:
+        try:
+            toml = tomllib.loads(Path(config_path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {config_path}: {exc}") from exc
+    proxy_table = dict(toml.get("proxy", {}))
+    proxy_table.update({k: v for k, v in toml.items() if k in _BY_NAME or k == "backends"})
+    if "backends" in proxy_table:
+        proxy_table.setdefault("backend", proxy_table.pop("backends"))
+
+    values: dict[str, Any] = {}
+    for opt in OPTIONS:
+        raw: Any
+        if opt.name in flags:
+            raw = flags[opt.name]
+        elif opt.env in env:
+            raw = env[opt.env]
+        elif opt.name in proxy_table:
+            raw = proxy_table[opt.name]
+        else:
+            values[opt.name] = opt.default
+            continue
+        try:
+            values[opt.name] = _backends(raw) if opt.name == "backend" else opt.cast(raw)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"bad value for {opt.cli}: {raw!r} ({exc})") from exc
+
+    backends = values.pop("backend") or ()
+    if not backends:
+        raise ConfigError(f"no backend configured: pass --backend URL or set {ENV_PREFIX}BACKEND")
+    if values["dialect"] not in DIALECTS:
+        raise ConfigError(f"--dialect must be one of {', '.join(DIALECTS)}")
+    if values["block_bytes"] < 16:
+        raise ConfigError("--block-bytes must be at least 16")
+    return Settings(
+        backends=tuple(backends),
+        host=values["host"],
+        port=values["port"],
+        dialect=values["dialect"],
+        backend_api_key=values["backend_api_key"],
+        redis_url=values["redis_url"],
+        log_file=values["log_file"],
+        log_level=values["log_level"],
+        log_prompts=values["log_prompts"],
+        max_body_bytes=values["max_body_bytes"],
+        timeouts=Timeouts(connect=values["connect_timeout"], idle=values["idle_timeout"],
+                          store=values["store_timeout"]),
+        slo=Slo(ttft_ms=values["slo_ttft_ms"], tpot_ms=values["slo_tpot_ms"]),
+        pricing=Pricing(input_per_mtok=values["price_input_per_mtok"],
+                        cached_input_per_mtok=values["price_cached_input_per_mtok"]),
+        block_bytes=values["block_bytes"],
+        capacity_tokens=values["capacity_tokens"],
+        stats_retention_s=values["stats_retention_s"],
+        canonicalize=values["canonicalize"],
+        canonical_dry_run=values["canonical_dry_run"],
+        canonical=dict(toml.get("canonical", {})),
+        admin_token=values["admin_token"],
+        config_file=str(config_path) if config_path else None,
+    )

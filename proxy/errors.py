@@ -1,0 +1,124 @@
+"""prefixgate's own errors, and how they leave the proxy.
+
+Every failure that is the proxy's own (not a status the backend sent) leaves in the OpenAI error
+shape ``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status. Upstream
+statuses and bodies pass through untouched and never become one of these.
+
+    ProxyError                      base; carries status, type, code
+    ├── BadRequest                  400 invalid_request_error (malformed JSON, non-object body…)
+    ├── Unauthorized                401 authentication_error
+    ├── PayloadTooLarge             413 invalid_request_error
+    ├── UnsupportedMediaType        415 invalid_request_error
+    └── UpstreamError               5xx, the backend could not be used
+        ├── BackendUnavailable      502 backend_unavailable (refused, reset, DNS, no replica)
+        └── BackendTimeout          504 backend_timeout (connect or idle read timed out)
+
+Low-level exceptions (aiohttp, asyncio) are translated at the boundary, in ``relay.py``, with
+``raise ... from exc`` so the cause survives in logs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+
+class ProxyError(Exception):
+    """A failure of the proxy itself, rendered as an OpenAI-shaped error response."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type_=self.type, param=self.param, code=self.code)
+
+    def to_response(self, *, request_id: str | None = None) -> web.Response:
+        return error_response(
+            self.status,
+            self.message,
+            type_=self.type,
+            param=self.param,
+            code=self.code,
+            request_id=request_id,
+        )
+
+
+class BadRequest(ProxyError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(ProxyError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class PayloadTooLarge(ProxyError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class UnsupportedMediaType(ProxyError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class UpstreamError(ProxyError):
+    status = 502
+    type = "backend_error"
+
+
+class BackendUnavailable(UpstreamError):
+    status = 502
+    type = "backend_unavailable"
+    code = "backend_unreachable"
+
+
+class BackendTimeout(UpstreamError):
+    status = 504
+    type = "backend_timeout"
+    code = "backend_timeout"
+
+
+def error_body(
+    message: str, *, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """The OpenAI error envelope."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type_: str,
+    param: str | None = None,
+    code: str | None = None,
+    request_id: str | None = None,
+) -> web.Response:
+    """An OpenAI-shaped JSON error response with ``status``."""
+    headers = {"X-Request-Id": request_id} if request_id else None
+    return web.Response(
+        status=status,
+        body=orjson.dumps(error_body(message, type_=type_, param=param, code=code)),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def sse_error_event(exc: ProxyError) -> bytes:
+    """A mid-stream error as an SSE event, the way OpenAI-compatible servers send one."""
+    return b"data: " + orjson.dumps(exc.body()) + b"\n\n"

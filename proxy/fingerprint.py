@@ -1,0 +1,364 @@
+"""Prompt fingerprints: a request rendered to bytes, cut into blocks, hashed as a chain.
+
+A request is rendered into the ordered segments the backend's chat template will see (model,
+tools, system messages, then each message; or the completion prompt), serialized to one byte
+string, cut into fixed-size blocks and hashed as a chain::
+
+    h_0 = xxh3_64(model + "\\x00" + salt)               # the seed
+    h_i = xxh3_64(block_i, seed=h_{i-1})               # one hash per full block
+
+so two requests (same model, same salt) share their first k block hashes exactly when their
+rendered bytes agree on the first k blocks. The trailing partial block is not hashed: it is
+the part most likely to change on the next turn, and a partial block cannot be matched anyway.
+The salt (tenant / ``cache_salt``) and the model seed the chain, so tenants and models never
+share an index entry.
+
+Block size. ``DEFAULT_BLOCK_BYTES = 256`` is about 64 tokens at the ~4 bytes per token of
+English text and code. It is fine enough that a predicted cache hit is wrong by less than one
+block (≈ 64 tokens, a small fraction of the prompts that matter for caching), and coarse enough
+that a 512 KB prompt is 2,048 hashes: a Python loop over C hashing stays in the hundreds of MB/s,
+and the prefix lookup is one Redis ``ZMSCORE`` with a few thousand members at most.
+
+Rendering. One control byte, ``\\x1e``, marks all structure: a segment ends with
+``\\x1e\\x1c``, fields inside a message are separated by ``\\x1e\\x1f`` and content parts by
+``\\x1e\\x1d``. Text that itself contains ``\\x1e`` has it doubled, so text can never forge a
+boundary and the rendering is injective on the parts it covers (and escaping costs one memchr).
+Text parts are rendered as their text; everything structured (tools, tool calls, non-text
+content parts, values of unexpected types) as compact JSON, which never holds a raw control byte.
+
+Key order. JSON is serialized with orjson **in the key order the client sent**, not sorted:
+the fingerprint must reflect the bytes the backend's template will see, and a backend caches
+exactly those. Two requests that differ only in the key order of their tool schemas therefore
+fingerprint differently, which is right: they miss each other's cache. Making key order stable
+is the canonicalizer's job (``proxy/canonical/``), and it runs before fingerprinting.
+
+Cumulative segment hashes. Besides the block chain, a streaming xxh3 hasher (same seed) is
+read at the end of every segment. These let the analyzer compare prompts at message
+granularity from logs that carry no prompt text. The ``anchor`` is the cumulative hash at the
+end of the stable part (model, tools and the leading system messages): requests with the same
+anchor come from the same application prompt.
+
+Rendering never raises on a JSON object body, whatever the types inside it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import orjson
+import xxhash
+
+DEFAULT_BLOCK_BYTES = 256
+
+# One reserved byte marks all structure, so escaping text costs a single memchr scan:
+# in rendered text it is doubled, and every separator is the reserved byte plus a tag byte.
+RESERVED = b"\x1e"
+SEGMENT_END = b"\x1e\x1c"
+FIELD_SEP = b"\x1e\x1f"
+PART_SEP = b"\x1e\x1d"
+_ESCAPED = RESERVED + RESERVED
+_END_LEN = len(SEGMENT_END)
+
+CHAT_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions"})
+COMPLETION_ROUTES = frozenset({"/v1/completions", "/completions", "/completion"})
+SYSTEM_ROLES = frozenset({"system", "developer"})
+
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+class Segment(NamedTuple):
+    """One rendered segment: its kind and the byte offset where it starts.
+
+    A named tuple rather than a dataclass: a long conversation creates hundreds per request.
+    """
+
+    kind: str  # "model" | "tools" | "system" | "message" | "prompt"
+    start: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rendered:
+    """A request as the byte string that gets hashed, with its segment boundaries."""
+
+    data: bytes
+    segments: tuple[Segment, ...]
+
+    def segment_ends(self) -> tuple[int, ...]:
+        """The end offset (exclusive) of every segment."""
+        starts = [s.start for s in self.segments[1:]]
+        return (*starts, len(self.data)) if self.segments else ()
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """The chained block hashes of one request, plus its per-segment cumulative hashes."""
+
+    block_hashes: tuple[int, ...]
+    block_bytes: int
+    total_bytes: int
+    segments: tuple[Segment, ...]
+    segment_hashes: tuple[int, ...]
+    anchor: int
+    stable_bytes: int
+
+    def segment_ends(self) -> tuple[int, ...]:
+        """The end offset (exclusive) of every segment."""
+        starts = [s.start for s in self.segments[1:]]
+        return (*starts, self.total_bytes) if self.segments else ()
+
+    def segment_table(self) -> list[list[Any]]:
+        """The ``prefix_segments`` record field: ``[[hex hash, end offset, kind], ...]``."""
+        return [
+            [hex64(h), end, seg.kind]
+            for h, end, seg in zip(
+                self.segment_hashes, self.segment_ends(), self.segments, strict=True
+            )
+        ]
+
+
+def hex64(h: int) -> str:
+    """A 64-bit hash as 16 lowercase hex digits."""
+    return f"{h:016x}"
+
+
+def chain_seed(model: str, salt: str = "") -> int:
+    """The seed of a request's hash chain: the model name and the tenant salt."""
+    return _xxh3(_utf8(model + "\x00" + salt))
+
+
+def _utf8(text: str) -> bytes:
+    try:
+        return text.encode()
+    except UnicodeEncodeError:  # lone surrogates are valid in JSON strings
+        return text.encode("utf-8", "surrogatepass")
+
+
+def _text(text: str) -> bytes:
+    """Text as bytes, with the separator bytes escaped so text cannot forge a boundary."""
+    try:
+        data = text.encode()
+    except UnicodeEncodeError:  # lone surrogates are valid in JSON strings
+        data = text.encode("utf-8", "surrogatepass")
+    if RESERVED in data:
+        data = data.replace(RESERVED, _ESCAPED)
+    return data
+
+
+def _json(value: Any) -> bytes:
+    """Compact JSON in the order given (orjson; stdlib fallback for what orjson refuses)."""
+    try:
+        return orjson.dumps(value)
+    except (TypeError, orjson.JSONEncodeError):
+        # Integers past 64 bits, lone surrogates, non-string keys: still render, never raise.
+        out = json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=repr)
+        return _utf8(out)
+
+
+def _scalar(value: Any) -> bytes:
+    """A string as escaped text, anything else as compact JSON."""
+    return _text(value) if isinstance(value, str) else _json(value)
+
+
+def _content(content: Any) -> bytes:
+    if content is None:
+        return b""
+    if isinstance(content, str):
+        return _text(content)
+    if isinstance(content, list):
+        parts: list[bytes] = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(_text(part))
+            elif (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
+                parts.append(_text(part["text"]))
+            else:
+                parts.append(_json(part))
+        return PART_SEP.join(parts)
+    return _json(content)
+
+
+_ROLES = {role: role.encode() for role in ("system", "developer", "user", "assistant", "tool")}
+
+
+def _message(message: Any) -> tuple[str, bytes]:
+    """A chat message as (segment kind, bytes without the segment terminator)."""
+    if type(message) is not dict:
+        return "message", _json(message)
+    role = message.get("role")
+    kind = "message"
+    if type(role) is str:
+        role_bytes = _ROLES.get(role) or _text(role)
+        if role in SYSTEM_ROLES:
+            kind = "system"
+    else:
+        role_bytes = b"" if role is None else _json(role)
+    content = message.get("content")
+    content_bytes = _text(content) if type(content) is str else _content(content)
+    if len(message) <= 2 and "tool_calls" not in message:
+        return kind, role_bytes + FIELD_SEP + content_bytes  # the common shape, fast path
+    out = [role_bytes, FIELD_SEP, content_bytes]
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        out += (FIELD_SEP, b"T", _json(tool_calls))
+    call_id = message.get("tool_call_id")
+    if call_id is not None:
+        out += (FIELD_SEP, b"I", _scalar(call_id))
+    name = message.get("name")
+    if name is not None:
+        out += (FIELD_SEP, b"N", _scalar(name))
+    return kind, b"".join(out)
+
+
+class _Builder:
+    """Appends segments and remembers where each starts."""
+
+    __slots__ = ("chunks", "offset", "segments")
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.segments: list[Segment] = []
+        self.offset = 0
+
+    def add(self, kind: str, payload: bytes) -> None:
+        self.segments.append(Segment(kind, self.offset))
+        self.chunks += (payload, SEGMENT_END)
+        self.offset += len(payload) + _END_LEN
+
+    def build(self) -> Rendered:
+        return Rendered(b"".join(self.chunks), tuple(self.segments))
+
+
+def _render_chat(out: _Builder, body: Mapping[str, Any]) -> None:
+    tools = body.get("tools")
+    functions = body.get("functions")  # the legacy spelling of tools
+    if tools is not None or functions is not None:
+        payload = _json(tools) if functions is None else _json(tools) + FIELD_SEP + _json(functions)
+        out.add("tools", payload)
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        add = out.add
+        for message in messages:
+            add(*_message(message))
+    elif messages is not None:
+        out.add("message", _json(messages))
+
+
+def _render_prompt(out: _Builder, body: Mapping[str, Any]) -> None:
+    prompt = body.get("prompt")
+    if prompt is None:
+        return
+    if isinstance(prompt, str):
+        out.add("prompt", _text(prompt))
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        out.add("prompt", _json(prompt))  # one prompt given as token ids
+    elif isinstance(prompt, list):
+        for item in prompt:  # a batch of prompts (strings or token-id lists), or mixed
+            out.add("prompt", _scalar(item))
+    else:
+        out.add("prompt", _json(prompt))
+
+
+def render(route: str, body: Mapping[str, Any]) -> Rendered:
+    """Render a request body to the byte string the fingerprint hashes.
+
+    Chat routes render model, tools, then each message; completion routes (OpenAI
+    ``/v1/completions`` and llama.cpp's native ``/completion``) render model then the prompt.
+    Any other route is rendered by what the body holds (``messages`` or ``prompt``), and a body
+    with neither as one compact-JSON prompt segment.
+    """
+    out = _Builder()
+    model = body.get("model")
+    out.add("model", b"" if model is None else _scalar(model))
+    if route in CHAT_ROUTES:
+        _render_chat(out, body)
+    elif route in COMPLETION_ROUTES:
+        _render_prompt(out, body)
+    elif "messages" in body:
+        _render_chat(out, body)
+    elif "prompt" in body:
+        _render_prompt(out, body)
+    else:
+        rest = {k: v for k, v in body.items() if k != "model"}
+        if rest:
+            out.add("prompt", _json(rest))
+    return out.build()
+
+
+def _model_name(body: Mapping[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        return ""
+    if isinstance(model, str):
+        return model
+    return _json(model).decode("utf-8", "surrogatepass")
+
+
+def block_chain(data: bytes, seed: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> tuple[int, ...]:
+    """The chained hashes of every full block of ``data``."""
+    if block_bytes <= 0:
+        raise ValueError("block_bytes must be positive")
+    view = memoryview(data)
+    xxh3 = _xxh3
+    h = seed
+    # A comprehension with an assignment expression is the fastest chain loop in CPython.
+    return tuple(
+        [
+            h := xxh3(view[off : off + block_bytes], h)
+            for off in range(0, len(data) - block_bytes + 1, block_bytes)
+        ]
+    )
+
+
+def fingerprint(
+    route: str,
+    body: Mapping[str, Any],
+    *,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    salt: str = "",
+) -> Fingerprint:
+    """Fingerprint one request: its block hash chain, segment hashes and anchor."""
+    rendered = render(route, body)
+    return fingerprint_rendered(
+        rendered, seed=chain_seed(_model_name(body), salt), block_bytes=block_bytes
+    )
+
+
+def fingerprint_rendered(
+    rendered: Rendered, *, seed: int, block_bytes: int = DEFAULT_BLOCK_BYTES
+) -> Fingerprint:
+    """Fingerprint an already rendered request under a given chain seed."""
+    data = rendered.data
+    segments = rendered.segments
+    ends = rendered.segment_ends()
+    hasher = xxhash.xxh3_64(seed=seed)
+    view = memoryview(data)
+    segment_hashes: list[int] = []
+    start = 0
+    for end in ends:
+        hasher.update(view[start:end])
+        segment_hashes.append(hasher.intdigest())
+        start = end
+    # The stable part: model, tools and the system messages before the first other message.
+    stable = 0
+    for seg in segments:
+        if seg.kind not in ("model", "tools", "system"):
+            break
+        stable += 1
+    stable_bytes = ends[stable - 1] if stable else 0
+    anchor = segment_hashes[stable - 1] if stable else seed
+    return Fingerprint(
+        block_hashes=block_chain(data, seed, block_bytes),
+        block_bytes=block_bytes,
+        total_bytes=len(data),
+        segments=segments,
+        segment_hashes=tuple(segment_hashes),
+        anchor=anchor,
+        stable_bytes=stable_bytes,
+    )

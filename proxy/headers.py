@@ -1,0 +1,70 @@
+"""Header hygiene between client, proxy and backend, as small pure functions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from aiohttp import hdrs
+from multidict import CIMultiDict, CIMultiDictProxy
+
+# RFC 9110 §7.6.1 hop-by-hop headers, plus ones the proxy must recompute itself.
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        hdrs.CONNECTION,
+        hdrs.KEEP_ALIVE,
+        hdrs.PROXY_AUTHENTICATE,
+        hdrs.PROXY_AUTHORIZATION,
+        hdrs.TE,
+        hdrs.TRAILER,
+        hdrs.TRANSFER_ENCODING,
+        hdrs.UPGRADE,
+        "Proxy-Connection",
+    )
+)
+_RECOMPUTED = frozenset(h.lower() for h in (hdrs.CONTENT_LENGTH, hdrs.HOST))
+# aiohttp's client transparently decompresses, so the encoding header must not be relayed.
+_RESPONSE_DROP = HOP_BY_HOP | {hdrs.CONTENT_LENGTH.lower(), hdrs.CONTENT_ENCODING.lower()}
+
+
+def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
+    value = headers.get(hdrs.CONNECTION, "")
+    return {t.strip().lower() for t in value.split(",") if t.strip()}
+
+
+def upstream_request_headers(
+    incoming: CIMultiDictProxy[str] | Mapping[str, str],
+    *,
+    request_id: str,
+    backend_api_key: str | None = None,
+    drop: Iterable[str] = (),
+) -> CIMultiDict[str]:
+    """Headers to send upstream: the client's, minus hop-by-hop ones, plus the request id.
+
+    When the proxy holds the backend's key, the client's Authorization (the key it used for the
+    proxy) is replaced so the backend key never leaves the server side.
+    """
+    skip = set(HOP_BY_HOP | _RECOMPUTED | _connection_tokens(incoming)) | {d.lower() for d in drop}
+    skip.add(hdrs.ACCEPT_ENCODING.lower())  # the relay inspects SSE bytes: ask for identity
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in incoming.items():
+        if key.lower() not in skip:
+            out.add(key, value)
+    out["X-Request-Id"] = request_id
+    if backend_api_key is not None:
+        out[hdrs.AUTHORIZATION] = f"Bearer {backend_api_key}"
+    return out
+
+
+def downstream_response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
+    """Headers to relay to the client from the backend's response."""
+    skip = _RESPONSE_DROP | _connection_tokens(upstream)
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in upstream.items():
+        if key.lower() not in skip:
+            out.add(key, value)
+    return out
+
+
+def is_event_stream(content_type: str | None) -> bool:
+    return bool(content_type) and "text/event-stream" in (content_type or "").lower()

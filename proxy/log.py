@@ -1,0 +1,54 @@
+"""structlog, configured once: JSON lines, the request id bound per request.
+
+Records and operational events share one stream (stdout, or ``--log-file``), one JSON object a
+line; records are the lines with ``"event": "request"``. Calls are synchronous: a JSON line is
+cheaper than handing it to another thread, and records are written after the response has ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+import structlog
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR}
+_open_files: list[IO[bytes]] = []
+
+
+def _dumps(obj: Any, **_: Any) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS, default=str)
+
+
+def configure_logging(*, level: str = "info", log_file: str | None = None) -> None:
+    """Configure structlog for the whole process (call once, at start-up)."""
+    for f in _open_files:
+        f.close()
+    _open_files.clear()
+    if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        out: IO[bytes] = open(log_file, "ab", buffering=0)  # noqa: SIM115 - lives for the process
+        _open_files.append(out)
+    else:
+        out = sys.stdout.buffer
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True, key="logged_at"),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(serializer=_dumps),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
+        logger_factory=structlog.BytesLoggerFactory(out),
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger(name: str = "prefixgate") -> structlog.typing.FilteringBoundLogger:
+    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(name)
+    return logger

@@ -1,0 +1,306 @@
+"""Forwarding to a backend and relaying its answer: bytes out as they arrive, observed on the way.
+
+The relay never rebuilds a response. Streamed events reach the client as the backend sends them
+(whole SSE events, written one upstream chunk at a time, with backpressure from ``write()``); the
+relay only looks at each event to timestamp the first token, the first visible token and the last
+token, and to read usage. When the proxy asked for usage the client did not, the usage-only event
+is removed (and llama.cpp's ``timings``, which ride on that event, are moved back onto the
+finishing event where the client would have found them).
+
+Upstream failures are translated here, at the boundary: before the first byte reached the client
+they become ``BackendUnavailable`` (502) or ``BackendTimeout`` (504); after it, an SSE error event
+ends the stream, since the status line is already gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from proxy.backends import Dialect, EventKind
+from proxy.config import Timeouts
+from proxy.errors import BackendTimeout, BackendUnavailable, ProxyError, sse_error_event
+from proxy.headers import downstream_response_headers, is_event_stream, upstream_request_headers
+from proxy.records import Observation, monotonic
+from proxy.sse import EventSplitter, event_data
+
+CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One request's way through the proxy: what goes upstream and what came back."""
+
+    request_id: str
+    route: str
+    upstream_path: str
+    obs: Observation
+    backend_url: str = ""
+    dialect: Dialect = field(default_factory=Dialect)
+    stream: bool = False
+    strip_usage: bool = False
+    status: int = 0
+    error: str | None = None
+    upstream_body: bytes = b""
+
+
+def upstream_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
+    """Connect and between-bytes limits; never a total limit (streams may run for minutes)."""
+    return aiohttp.ClientTimeout(
+        total=None, connect=timeouts.connect, sock_connect=timeouts.connect,
+        sock_read=timeouts.idle,
+    )
+
+
+async def open_upstream(
+    session: aiohttp.ClientSession,
+    request: web.Request,
+    *,
+    url: str,
+    body: bytes | None,
+    request_id: str,
+    timeouts: Timeouts,
+    backend_api_key: str | None,
+) -> aiohttp.ClientResponse:
+    """Send the request upstream and wait for the status line, translating failures."""
+    headers = upstream_request_headers(
+        request.headers, request_id=request_id, backend_api_key=backend_api_key
+    )
+    if request.query_string:
+        url = f"{url}?{request.query_string}"
+    try:
+        return await session.request(
+            request.method, url, data=body, headers=headers,
+            timeout=upstream_timeout(timeouts), allow_redirects=False,
+        )
+    except TimeoutError as exc:
+        raise BackendTimeout(f"backend did not answer in time: {url}") from exc
+    except aiohttp.ClientError as exc:
+        raise BackendUnavailable(f"backend unreachable: {exc.__class__.__name__}") from exc
+
+
+async def relay_inference(
+    request: web.Request,
+    session: aiohttp.ClientSession,
+    ex: Exchange,
+    *,
+    timeouts: Timeouts,
+    backend_api_key: str | None,
+) -> web.StreamResponse:
+    """Forward one inference request and relay the answer, observing it into ``ex.obs``."""
+    ex.obs.t_forward = monotonic()
+    upstream = await open_upstream(
+        session, request, url=ex.backend_url + ex.upstream_path, body=ex.upstream_body,
+        request_id=ex.request_id, timeouts=timeouts, backend_api_key=backend_api_key,
+    )
+    async with upstream:
+        ex.status = upstream.status
+        if ex.stream and upstream.status == 200 and is_event_stream(upstream.content_type):
+            return await _relay_stream(request, upstream, ex)
+        return await _relay_whole(request, upstream, ex)
+
+
+async def _relay_whole(
+    request: web.Request, upstream: aiohttp.ClientResponse, ex: Exchange
+) -> web.StreamResponse:
+    try:
+        payload = await upstream.read()
+    except TimeoutError as exc:
+        raise BackendTimeout("backend stopped sending before the response was complete") from exc
+    except aiohttp.ClientError as exc:
+        raise BackendUnavailable(f"backend failed mid-response: {exc.__class__.__name__}") from exc
+    now = monotonic()
+    if upstream.status == 200 and "json" in (upstream.content_type or ""):
+        t0 = monotonic()
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            obj = None
+        if isinstance(obj, Mapping):
+            ex.dialect.read_response(ex.route, obj, ex.obs)
+        ex.obs.inspect_s += monotonic() - t0
+    elif upstream.status >= 400:
+        ex.error = "upstream_error"
+    resp = web.Response(
+        status=upstream.status, body=payload,
+        headers=downstream_response_headers(upstream.headers),
+    )
+    resp.headers["X-Request-Id"] = ex.request_id
+    await resp.prepare(request)
+    await resp.write_eof()
+    ex.obs.t_end = now
+    return resp
+
+
+class StreamInspector:
+    """Looks at each SSE event on its way through; decides only whether it is forwarded."""
+
+    __slots__ = ("_held", "ex")
+
+    def __init__(self, ex: Exchange) -> None:
+        self.ex = ex
+        self._held: tuple[bytes, dict[str, Any]] | None = None
+
+    def process(self, event: bytes, now: float, out: list[bytes]) -> None:
+        """Observe ``event`` and append what should reach the client to ``out``."""
+        ex, obs = self.ex, self.ex.obs
+        data = event_data(event)
+        obj: Any = None
+        if data is not None and data != b"[DONE]":
+            try:
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                obj = None
+        if not isinstance(obj, dict):
+            self._release(out)
+            out.append(event)
+            return
+        kind = ex.dialect.classify_event(ex.route, obj, obs)
+        if kind is EventKind.TOKEN or kind is EventKind.VISIBLE:
+            if obs.t_first_token is None:
+                obs.t_first_token = now
+            if kind is EventKind.VISIBLE and obs.t_first_visible is None:
+                obs.t_first_visible = now
+            obs.t_last_token = now
+            obs.token_events += 1
+        elif kind is EventKind.ERROR:
+            ex.error = "upstream_stream_error"
+        if ex.strip_usage:
+            if kind is EventKind.USAGE_ONLY:
+                self._release(out, carry=ex.dialect.carried_on_strip(obj))
+                return
+            if _finishes(obj):
+                self._release(out)
+                self._held = (event, obj)
+                return
+        self._release(out)
+        out.append(event)
+
+    def _release(self, out: list[bytes], carry: Mapping[str, Any] | None = None) -> None:
+        if self._held is None:
+            return
+        event, obj = self._held
+        self._held = None
+        if carry:
+            obj.update(carry)
+            event = b"data: " + orjson.dumps(obj) + b"\n\n"
+        out.append(event)
+
+    def finish(self, out: list[bytes]) -> None:
+        self._release(out)
+
+
+def _finishes(obj: Mapping[str, Any]) -> bool:
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return False
+    return any(isinstance(c, Mapping) and c.get("finish_reason") for c in choices)
+
+
+async def _relay_stream(
+    request: web.Request, upstream: aiohttp.ClientResponse, ex: Exchange
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        status=upstream.status, headers=downstream_response_headers(upstream.headers)
+    )
+    resp.headers["X-Request-Id"] = ex.request_id
+    resp.headers["X-Accel-Buffering"] = "no"
+    resp.headers.setdefault("Cache-Control", "no-cache")
+    await resp.prepare(request)
+    splitter = EventSplitter()
+    inspector = StreamInspector(ex)
+    obs = ex.obs
+    failure: ProxyError | None = None
+    try:
+        async for chunk in upstream.content.iter_any():
+            now = monotonic()
+            out: list[bytes] = []
+            for event in splitter.feed(chunk):
+                inspector.process(event, now, out)
+            obs.inspect_s += monotonic() - now
+            if out and not await _write(resp, b"".join(out)):
+                _client_gone(ex, upstream)
+                return resp
+    except TimeoutError:
+        failure = BackendTimeout("backend stopped sending mid-stream")
+        ex.error = "backend_timeout"
+    except aiohttp.ClientPayloadError:
+        failure = BackendUnavailable("backend closed the stream early")
+        ex.error = "backend_disconnected"
+    except aiohttp.ClientError:
+        failure = BackendUnavailable("backend connection failed mid-stream")
+        ex.error = "backend_disconnected"
+    except asyncio.CancelledError:
+        _client_gone(ex, upstream)
+        raise
+    tail: list[bytes] = []
+    inspector.finish(tail)
+    rest = splitter.flush()
+    if rest:
+        tail.append(rest)
+    if failure is not None:
+        tail.append(sse_error_event(failure))
+        upstream.close()
+    if (tail and not await _write(resp, b"".join(tail))) or not await _write(resp, None):
+        _client_gone(ex, upstream)
+        return resp
+    obs.t_end = monotonic()
+    return resp
+
+
+async def _write(resp: web.StreamResponse, data: bytes | None) -> bool:
+    """Write to the client (``None``: end the body); False when the client has gone away."""
+    try:
+        if data is None:
+            await resp.write_eof()
+        else:
+            await resp.write(data)
+    except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one too
+        return False
+    return True
+
+
+def _client_gone(ex: Exchange, upstream: aiohttp.ClientResponse) -> None:
+    """The client disconnected: close the upstream connection so the backend frees its slot."""
+    ex.status = CLIENT_CLOSED
+    ex.error = "client_disconnected"
+    ex.obs.t_end = monotonic()
+    upstream.close()
+
+
+async def relay_passthrough(
+    request: web.Request,
+    session: aiohttp.ClientSession,
+    *,
+    url: str,
+    body: bytes | None,
+    request_id: str,
+    timeouts: Timeouts,
+    backend_api_key: str | None,
+) -> web.StreamResponse:
+    """Any other path: forwarded as is, the answer streamed back chunk by chunk."""
+    upstream = await open_upstream(
+        session, request, url=url, body=body, request_id=request_id, timeouts=timeouts,
+        backend_api_key=backend_api_key,
+    )
+    async with upstream:
+        resp = web.StreamResponse(
+            status=upstream.status, headers=downstream_response_headers(upstream.headers)
+        )
+        resp.headers["X-Request-Id"] = request_id
+        await resp.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_any():
+                if not await _write(resp, chunk):
+                    upstream.close()
+                    return resp
+        except (TimeoutError, aiohttp.ClientError):
+            upstream.close()  # the status is sent; ending the body early is all that is left
+        await _write(resp, None)
+        return resp

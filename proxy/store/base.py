@@ -1,0 +1,143 @@
+"""The store's contract: one interface, an embedded and a Redis implementation.
+
+A store does two jobs for the proxy:
+
+* **Prefix index.** Per (namespace, backend replica), which prompt blocks that replica recently
+  processed: a capacity-bounded LRU of chained block hashes with an idle TTL. ``longest_match``
+  sits on the request's critical path (zero round trips embedded, one pipelined round trip to
+  Redis, bounded by ``StoreTimeouts.lookup_s``); ``record_prefix`` runs in the background after
+  routing.
+* **Statistics.** Every finished request folded into per-minute buckets (hit rates, predicted vs
+  measured, latency histograms, savings) and a per-namespace ranking of application prefixes,
+  read back by ``query_stats`` and ``top_prefixes`` for ``/stats`` and the dashboard.
+
+The index only ever receives chained hashes (``h_k`` determines ``h_1 .. h_k``) and is kept
+*prefix-closed*: recording a prompt touches its whole chain with the leading blocks most
+recent, so eviction takes a prompt's tail before its head and a block is never evicted before
+the blocks that lead to it. That is why ``longest_match`` may find the leading run by binary
+search (``leading_run``) in both implementations.
+
+Failure model (Redis). A store call never raises and never waits longer than its timeout: on
+an error it returns the neutral result (``{}``, an empty window, ``[]``), sets ``degraded`` and
+counts a failure; writes made while Redis is unreachable are lost. The embedded store is never
+degraded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from proxy.store.ranking import PrefixStat
+    from proxy.store.stats import StatsSample
+    from proxy.store.window import StatsWindow
+
+DEFAULT_NAMESPACE = "default"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreTimeouts:
+    """How long the store may wait on Redis, per kind of call, in seconds.
+
+    ``lookup_s`` bounds the critical-path lookup; ``write_s`` the background index and stats
+    writes; ``read_s`` the ``/stats`` queries (a 7-day window reads a few hundred hashes);
+    ``connect_s`` a TCP connect, as a backstop under the per-call bounds. After a failure the
+    store skips Redis for ``breaker_s`` and then lets one call probe it again.
+    """
+
+    lookup_s: float = 0.005
+    write_s: float = 0.05
+    read_s: float = 2.0
+    connect_s: float = 0.25
+    breaker_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreOptions:
+    """Sizing and retention shared by both implementations."""
+
+    index_ttl_s: float = 3600.0
+    """A replica's index is dropped after this long without a ``record_prefix``."""
+    stats_retention_s: float = 7 * 86400.0
+    """Statistics buckets are kept this long after their minute (or hour) ends."""
+    top_prefixes_cap: int = 1000
+    """Application prefixes ranked per namespace and hour; the least used beyond are dropped."""
+    key_prefix: str = "pg"
+    """First component of every Redis key."""
+    timeouts: StoreTimeouts = field(default_factory=StoreTimeouts)
+
+
+@runtime_checkable
+class PrefixStore(Protocol):
+    """The prefix index and statistics store the proxy talks to."""
+
+    @property
+    def degraded(self) -> bool:
+        """True while the backing service is failing and calls return neutral results."""
+        ...
+
+    @property
+    def failures(self) -> int:
+        """Calls that failed against the backing service since start-up (for metrics)."""
+        ...
+
+    async def longest_match(
+        self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
+    ) -> dict[str, int]:
+        """Blocks matched per replica: how many leading ``hashes`` its index holds.
+
+        Every replica gets an entry (0 when nothing matches); ``{}`` when the store is degraded.
+        """
+        ...
+
+    async def record_prefix(
+        self, namespace: str, replica: str, hashes: Sequence[int], capacity_blocks: int
+    ) -> None:
+        """Mark the whole chain ``hashes`` as just used by ``replica`` and trim to capacity."""
+        ...
+
+    async def add_stats(self, sample: StatsSample) -> None:
+        """Fold one finished request into its minute and hour buckets."""
+        ...
+
+    async def query_stats(
+        self,
+        *,
+        since_s: float,
+        until_s: float | None = None,
+        model: str | None = None,
+        backend: str | None = None,
+        namespace: str | None = None,
+    ) -> StatsWindow:
+        """Aggregate the buckets of ``[since_s, until_s)`` (epoch seconds, whole minutes)."""
+        ...
+
+    async def top_prefixes(
+        self, *, since_s: float, limit: int = 10, namespace: str | None = None
+    ) -> list[PrefixStat]:
+        """The application prefixes that served the most prompt tokens since ``since_s``."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections; safe to call more than once."""
+        ...
+
+
+def leading_run(present: Callable[[int], bool], hashes: Sequence[int]) -> int:
+    """Length of the leading run of ``hashes`` for which ``present`` holds.
+
+    Binary search, so ``O(log n)`` probes instead of ``n``. It is exact because presence is
+    monotone along a chain: the index is prefix-closed, and a chain that left the index at
+    block k (a different block k) continues with hashes the index has never seen. The Redis
+    lookup script runs the same search, so both implementations agree on every input.
+    """
+    lo, hi = 0, len(hashes)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if present(hashes[mid - 1]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

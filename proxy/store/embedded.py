@@ -1,0 +1,215 @@
+"""The in-process store: the default when no Redis is configured.
+
+Same contract and same numbers as the Redis store, kept in dicts: one ``OrderedDict`` LRU per
+(namespace, replica) with an idle TTL, statistics buckets as dicts of ``bucket_field`` counters
+(what Redis keeps in hashes), and the hourly anchor rankings. Nothing here awaits anything, so
+a lookup costs no round trip; state lives and dies with the process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from proxy.store.base import DEFAULT_NAMESPACE, StoreOptions, leading_run
+from proxy.store.ranking import (
+    ANCHOR_FIELDS,
+    PrefixStat,
+    anchor_increments,
+    rank,
+    trim_threshold,
+)
+from proxy.store.stats import StatsSample, sample_increments
+from proxy.store.window import (
+    HOUR_S,
+    MINUTE_S,
+    StatsWindow,
+    WindowBuilder,
+    bucket_field,
+    hours_between,
+    plan_buckets,
+)
+
+_BucketKey = tuple[str, int, int]  # (namespace, resolution_s, index)
+
+
+class _ReplicaIndex:
+    """One replica's LRU of block hashes (oldest first) and when it was last written."""
+
+    __slots__ = ("blocks", "touched")
+
+    def __init__(self) -> None:
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.touched = 0.0
+
+
+class _Anchor:
+    __slots__ = ("counts", "label", "last_seen")
+
+    def __init__(self) -> None:
+        self.counts = dict.fromkeys(ANCHOR_FIELDS, 0.0)
+        self.last_seen = 0.0
+        self.label: str | None = None
+
+
+class EmbeddedStore:
+    """Prefix index and statistics in this process's memory."""
+
+    def __init__(
+        self, options: StoreOptions | None = None, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        self._opts = options or StoreOptions()
+        self._clock = clock
+        self._indexes: dict[tuple[str, str], _ReplicaIndex] = {}
+        self._buckets: dict[_BucketKey, dict[str, float]] = {}
+        self._anchors: dict[tuple[str, int], dict[str, _Anchor]] = {}
+        self._next_sweep = 0.0
+
+    @property
+    def degraded(self) -> bool:
+        return False
+
+    @property
+    def failures(self) -> int:
+        return 0
+
+    # -- prefix index ---------------------------------------------------------------------------
+
+    def _live_index(self, namespace: str, replica: str, now: float) -> _ReplicaIndex | None:
+        index = self._indexes.get((namespace, replica))
+        if index is not None and now - index.touched > self._opts.index_ttl_s:
+            del self._indexes[(namespace, replica)]
+            return None
+        return index
+
+    async def longest_match(
+        self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
+    ) -> dict[str, int]:
+        """Blocks matched per replica; no I/O."""
+        now = self._clock()
+        out: dict[str, int] = {}
+        for replica in replicas:
+            index = self._live_index(namespace, replica, now)
+            if index is None or not hashes:
+                out[replica] = 0
+                continue
+            out[replica] = leading_run(index.blocks.__contains__, hashes)
+        return out
+
+    async def record_prefix(
+        self, namespace: str, replica: str, hashes: Sequence[int], capacity_blocks: int
+    ) -> None:
+        """Touch the chain (its head most recent), then evict the least recent past capacity."""
+        if not hashes:
+            return
+        now = self._clock()
+        index = self._live_index(namespace, replica, now)
+        if index is None:
+            index = self._indexes[(namespace, replica)] = _ReplicaIndex()
+        index.touched = now
+        blocks = index.blocks
+        for h in reversed(hashes):
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+        excess = len(blocks) - max(capacity_blocks, 0)
+        for _ in range(excess):
+            blocks.popitem(last=False)
+        if not blocks:
+            del self._indexes[(namespace, replica)]
+        self._sweep(now)
+
+    # -- statistics -----------------------------------------------------------------------------
+
+    async def add_stats(self, sample: StatsSample) -> None:
+        """Fold the sample into its minute bucket, its hour rollup and its anchor's hour."""
+        now = self._clock()
+        retention = self._opts.stats_retention_s
+        minute = int(sample.ts // MINUTE_S)
+        hour = int(sample.ts // HOUR_S)
+        if (hour + 1) * HOUR_S + retention <= now:
+            return  # older than anything kept
+        inc = sample_increments(sample)
+        for res, idx in ((MINUTE_S, minute), (HOUR_S, hour)):
+            if (idx + 1) * res + retention <= now:
+                continue
+            bucket = self._buckets.setdefault((sample.namespace, res, idx), {})
+            for name, value in inc.items():
+                key = bucket_field(sample.model, sample.backend, name)
+                bucket[key] = bucket.get(key, 0.0) + value
+        self._add_anchor(sample, hour)
+        self._sweep(now)
+
+    def _add_anchor(self, sample: StatsSample, hour: int) -> None:
+        inc = anchor_increments(sample)
+        if inc is None or sample.prefix_anchor is None:
+            return
+        ranked = self._anchors.setdefault((sample.namespace, hour), {})
+        entry = ranked.get(sample.prefix_anchor)
+        if entry is None:
+            entry = ranked[sample.prefix_anchor] = _Anchor()
+        for name, value in inc.items():
+            entry.counts[name] += value
+        entry.last_seen = max(entry.last_seen, sample.ts)
+        if sample.prefix_label:
+            entry.label = sample.prefix_label
+        cap = self._opts.top_prefixes_cap
+        if len(ranked) > trim_threshold(cap):
+            # Same order as Redis ZPOPMIN: lowest score first, ties by anchor.
+            by_score = sorted(ranked.items(), key=lambda kv: (kv[1].counts["p"], kv[0]))
+            for anchor, _ in by_score[: len(ranked) - cap]:
+                del ranked[anchor]
+
+    async def query_stats(
+        self,
+        *,
+        since_s: float,
+        until_s: float | None = None,
+        model: str | None = None,
+        backend: str | None = None,
+        namespace: str | None = None,
+    ) -> StatsWindow:
+        """Add up the window's buckets."""
+        ns = namespace or DEFAULT_NAMESPACE
+        plan = plan_buckets(since_s, self._clock() if until_s is None else until_s)
+        builder = WindowBuilder(plan, namespace=ns, model=model, backend=backend)
+        for ref in plan.buckets:
+            bucket = self._buckets.get((ns, ref.resolution_s, ref.index))
+            if bucket:
+                builder.add_bucket(ref.point_ts, bucket.items())
+        return builder.build()
+
+    async def top_prefixes(
+        self, *, since_s: float, limit: int = 10, namespace: str | None = None
+    ) -> list[PrefixStat]:
+        """The anchors that served the most prompt tokens in the hours since ``since_s``."""
+        ns = namespace or DEFAULT_NAMESPACE
+        merged: dict[str, PrefixStat] = {}
+        for hour in hours_between(since_s, self._clock()):
+            for anchor, entry in self._anchors.get((ns, hour), {}).items():
+                stat = merged.get(anchor)
+                if stat is None:
+                    stat = merged[anchor] = PrefixStat(anchor=anchor)
+                stat.add(entry.counts, entry.last_seen, entry.label)
+        return rank(merged.values(), limit)
+
+    # -- housekeeping ---------------------------------------------------------------------------
+
+    def _sweep(self, now: float) -> None:
+        """Drop idle indexes and expired buckets, at most once a minute."""
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + MINUTE_S
+        ttl = self._opts.index_ttl_s
+        for key in [k for k, v in self._indexes.items() if now - v.touched > ttl]:
+            del self._indexes[key]
+        retention = self._opts.stats_retention_s
+        for bkey in [k for k in self._buckets if (k[2] + 1) * k[1] + retention <= now]:
+            del self._buckets[bkey]
+        for akey in [k for k in self._anchors if (k[1] + 1) * HOUR_S + retention <= now]:
+            del self._anchors[akey]
+
+    async def aclose(self) -> None:
+        """Nothing to release: the state goes with the process (idempotent)."""

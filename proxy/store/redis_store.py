@@ -1,0 +1,351 @@
+"""The Redis store: the index and statistics shared by every proxy replica.
+
+Key layout (``pg`` is ``StoreOptions.key_prefix``; ``<ns>`` the namespace, kept as is when it is
+short and plain, else ``~`` + a hash; ``<rid>`` the first 12 hex digits of xxh3-64 of the
+replica URL)::
+
+    pg:{<rid>}:idx:<ns>          ZSET  block hash (8 bytes BE) -> last use (ms since 2020)
+    pg:{st:<ns>}:m:<minute>      HASH  "<model>|<backend>|<field>" -> sum   (minute = ts // 60)
+    pg:{st:<ns>}:h:<hour>        HASH  the same counters, rolled up by hour (hour = ts // 3600)
+    pg:{st:<ns>}:top:<hour>      ZSET  anchor -> prompt tokens served in that hour
+    pg:{st:<ns>}:anchor:<hour>   HASH  "<anchor>|r|p|c|cp|t|l" -> per-anchor counters, label
+
+The braces are Redis Cluster hash tags: a replica's indexes share a slot, and so do a
+namespace's statistics, so each script touches one slot. Indexes expire after
+``index_ttl_s`` without a write; buckets ``stats_retention_s`` after their minute or hour ends.
+
+Every call is bounded (``StoreTimeouts``) and guarded by a circuit breaker (``StoreHealth``):
+Redis down, hung or restarted costs a request at most ``lookup_s``, and the store reconnects by
+itself (redis-py opens a new connection on the next call after one was dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import xxhash
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError
+
+from proxy.store.base import DEFAULT_NAMESPACE, StoreOptions
+from proxy.store.health import StoreHealth
+from proxy.store.ranking import (
+    ANCHOR_FIELDS,
+    LABEL,
+    LAST_SEEN,
+    PrefixStat,
+    anchor_increments,
+    rank,
+    trim_threshold,
+)
+from proxy.store.redis_scripts import (
+    ADD_STATS,
+    ALL_SCRIPTS,
+    LOOKUP,
+    RECORD,
+    LuaScript,
+    pack_chain,
+)
+from proxy.store.stats import StatsSample, sample_increments
+from proxy.store.window import (
+    HOUR_S,
+    MINUTE_S,
+    StatsWindow,
+    WindowBuilder,
+    bucket_field,
+    hours_between,
+    plan_buckets,
+)
+
+T = TypeVar("T")
+_PLAIN_NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+# What a failed Redis call can raise: redis-py's errors, socket errors it did not translate, and
+# our own deadline.
+_FAILURES = (RedisError, OSError, TimeoutError)
+
+
+def namespace_key(namespace: str) -> str:
+    """The namespace as it appears in keys: itself when plain, else a stable hash."""
+    if _PLAIN_NAMESPACE.fullmatch(namespace):
+        return namespace
+    return "~" + xxhash.xxh3_64_hexdigest(namespace.encode())
+
+
+def replica_id(replica: str) -> str:
+    """Short stable id of a replica URL, used as its hash tag."""
+    return xxhash.xxh3_64_hexdigest(replica.encode())[:12]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class RedisStore:
+    """Prefix index and statistics in Redis, shared by every proxy replica."""
+
+    def __init__(
+        self,
+        client: Redis,
+        options: StoreOptions | None = None,
+        *,
+        owns_client: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._client = client
+        self._opts = options or StoreOptions()
+        self._owns_client = owns_client
+        self._clock = clock
+        self._health = StoreHealth(store="redis", breaker_s=self._opts.timeouts.breaker_s)
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, options: StoreOptions | None = None) -> RedisStore:
+        """A store with its own client for ``url`` (``redis://host:port/db``, ``rediss://``)."""
+        opts = options or StoreOptions()
+        t = opts.timeouts
+        client = Redis.from_url(
+            url,
+            # The per-call deadlines (``_guarded``) are the real bounds; these only stop a hung
+            # socket from holding a pooled connection forever.
+            socket_connect_timeout=t.connect_s,
+            socket_timeout=max(t.read_s, t.write_s),
+            # No retries inside redis-py: a retry would spend the caller's deadline, and the
+            # breaker decides when Redis is tried again.
+            retry=Retry(NoBackoff(), 0),
+            # RESP2: no HELLO handshake on a new connection.
+            protocol=2,
+        )
+        return cls(client, opts, owns_client=True)
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def degraded(self) -> bool:
+        return self._health.degraded
+
+    @property
+    def failures(self) -> int:
+        """Failed Redis calls since start-up."""
+        return self._health.failures
+
+    @property
+    def client(self) -> Redis:
+        return self._client
+
+    async def aclose(self) -> None:
+        """Close the client if this store created it; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def _guarded(
+        self, op: str, timeout_s: float, neutral: T, call: Callable[[], Awaitable[T]]
+    ) -> T:
+        """Run ``call`` within ``timeout_s``; on any failure answer ``neutral`` and note it."""
+        if self._closed or not self._health.allow():
+            return neutral
+        try:
+            async with asyncio.timeout(timeout_s):
+                result = await call()
+        except _FAILURES as exc:
+            self._health.failed(op, exc)
+            return neutral
+        except BaseException:  # cancelled from outside (e.g. the client went away)
+            self._health.abandoned()
+            raise
+        self._health.succeeded()
+        return result
+
+    async def _load_scripts(self) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for script in ALL_SCRIPTS:
+            pipe.script_load(script.source)
+        await pipe.execute()
+
+    async def _eval_each(
+        self, script: LuaScript, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
+    ) -> list[Any]:
+        """Run ``script`` once per (keys, args) in one pipelined round trip.
+
+        After a Redis restart the script cache is empty: load every script and try once more.
+        """
+        for attempt in (0, 1):
+            pipe = self._client.pipeline(transaction=False)
+            for keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            results = await pipe.execute(raise_on_error=False)
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
+                await self._load_scripts()
+                continue
+            for r in results:
+                if isinstance(r, Exception):
+                    raise r
+            return list(results)
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    # -- keys -----------------------------------------------------------------------------------
+
+    def index_key(self, namespace: str, replica: str) -> str:
+        """Key of one replica's index in one namespace."""
+        return f"{self._opts.key_prefix}:{{{replica_id(replica)}}}:idx:{namespace_key(namespace)}"
+
+    def _stats_key(self, namespace: str, kind: str, index: int) -> str:
+        return f"{self._opts.key_prefix}:{{st:{namespace_key(namespace)}}}:{kind}:{index}"
+
+    # -- prefix index ---------------------------------------------------------------------------
+
+    async def longest_match(
+        self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
+    ) -> dict[str, int]:
+        """Blocks matched per replica, in one pipelined round trip; ``{}`` when degraded."""
+        if not replicas:
+            return {}
+        if not hashes:
+            return dict.fromkeys(replicas, 0)
+        chain = pack_chain(hashes)
+        calls = [((self.index_key(namespace, r),), (chain,)) for r in replicas]
+
+        async def run() -> dict[str, int]:
+            counts = await self._eval_each(LOOKUP, calls)
+            return {r: int(c) for r, c in zip(replicas, counts, strict=True)}
+
+        return await self._guarded("lookup", self._opts.timeouts.lookup_s, {}, run)
+
+    async def record_prefix(
+        self, namespace: str, replica: str, hashes: Sequence[int], capacity_blocks: int
+    ) -> None:
+        """Touch the chain, trim the index to capacity and renew its idle TTL (one script)."""
+        if not hashes:
+            return
+        ttl_ms = max(round(self._opts.index_ttl_s * 1000), 1)
+        call = (
+            (self.index_key(namespace, replica),),
+            (pack_chain(hashes), max(capacity_blocks, 0), ttl_ms),
+        )
+
+        async def run() -> None:
+            await self._eval_each(RECORD, [call])
+
+        await self._guarded("record", self._opts.timeouts.write_s, None, run)
+
+    # -- statistics -----------------------------------------------------------------------------
+
+    async def add_stats(self, sample: StatsSample) -> None:
+        """Add the sample to its minute and hour buckets and its anchor's ranking (one script)."""
+        retention = self._opts.stats_retention_s
+        minute, hour = int(sample.ts // MINUTE_S), int(sample.ts // HOUR_S)
+        minute_expire = int((minute + 1) * MINUTE_S + retention)
+        hour_expire = int((hour + 1) * HOUR_S + retention)
+        if hour_expire <= self._clock():
+            return  # older than anything kept
+        ns = sample.namespace
+        keys = (
+            self._stats_key(ns, "m", minute),
+            self._stats_key(ns, "h", hour),
+            self._stats_key(ns, "top", hour),
+            self._stats_key(ns, "anchor", hour),
+        )
+        inc = sample_increments(sample)
+        args: list[Any] = [minute_expire, hour_expire, len(inc)]
+        for name, value in inc.items():
+            args += (bucket_field(sample.model, sample.backend, name), repr(value))
+        anchor_inc = anchor_increments(sample)
+        if anchor_inc is None or not sample.prefix_anchor:
+            args.append("")
+        else:
+            cap = self._opts.top_prefixes_cap
+            args += (sample.prefix_anchor, repr(sample.ts), sample.prefix_label or "")
+            args += (cap, trim_threshold(cap))
+            for name, value in anchor_inc.items():
+                args += (name, repr(value))
+
+        async def run() -> None:
+            await self._eval_each(ADD_STATS, [(keys, args)])
+
+        await self._guarded("add_stats", self._opts.timeouts.write_s, None, run)
+
+    async def query_stats(
+        self,
+        *,
+        since_s: float,
+        until_s: float | None = None,
+        model: str | None = None,
+        backend: str | None = None,
+        namespace: str | None = None,
+    ) -> StatsWindow:
+        """Add up the window's buckets (one pipelined ``HGETALL`` per bucket)."""
+        ns = namespace or DEFAULT_NAMESPACE
+        plan = plan_buckets(since_s, self._clock() if until_s is None else until_s)
+
+        def empty() -> StatsWindow:
+            return WindowBuilder(plan, namespace=ns, model=model, backend=backend).build()
+
+        async def run() -> StatsWindow:
+            builder = WindowBuilder(plan, namespace=ns, model=model, backend=backend)
+            if plan.buckets:
+                pipe = self._client.pipeline(transaction=False)
+                for ref in plan.buckets:
+                    kind = "m" if ref.resolution_s == MINUTE_S else "h"
+                    pipe.hgetall(self._stats_key(ns, kind, ref.index))
+                hashes = await pipe.execute()
+                for ref, raw in zip(plan.buckets, hashes, strict=True):
+                    if raw:
+                        builder.add_bucket(
+                            ref.point_ts, ((_text(k), float(v)) for k, v in raw.items())
+                        )
+            return builder.build()
+
+        return await self._guarded("query_stats", self._opts.timeouts.read_s, empty(), run)
+
+    async def top_prefixes(
+        self, *, since_s: float, limit: int = 10, namespace: str | None = None
+    ) -> list[PrefixStat]:
+        """The anchors that served the most prompt tokens in the hours since ``since_s``.
+
+        Two round trips: the hourly rankings, then the counters of the leading anchors.
+        """
+        ns = namespace or DEFAULT_NAMESPACE
+        hours = list(hours_between(since_s, self._clock()))
+        if not hours or limit <= 0:
+            return []
+        fields = (*ANCHOR_FIELDS, LAST_SEEN, LABEL)
+
+        async def run() -> list[PrefixStat]:
+            pipe = self._client.pipeline(transaction=False)
+            for hour in hours:
+                pipe.zrange(self._stats_key(ns, "top", hour), 0, -1, withscores=True)
+            tokens: dict[str, float] = {}
+            for ranking in await pipe.execute():
+                for member, score in ranking:
+                    anchor = _text(member)
+                    tokens[anchor] = tokens.get(anchor, 0.0) + float(score)
+            if not tokens:
+                return []
+            # Keep ties at the cut: the final order also looks at requests.
+            cut = sorted(tokens.values(), reverse=True)[min(limit, len(tokens)) - 1]
+            anchors = [a for a, t in tokens.items() if t >= cut]
+            names = [f"{a}|{f}" for a in anchors for f in fields]
+            pipe = self._client.pipeline(transaction=False)
+            for hour in hours:
+                pipe.hmget(self._stats_key(ns, "anchor", hour), names)
+            merged = {a: PrefixStat(anchor=a) for a in anchors}
+            for values in await pipe.execute():
+                for i, anchor in enumerate(anchors):
+                    row = values[i * len(fields) : (i + 1) * len(fields)]
+                    if row[0] is None:
+                        continue
+                    counters = {f: float(v) for f, v in zip(ANCHOR_FIELDS, row, strict=False) if v}
+                    seen = float(row[-2]) if row[-2] is not None else 0.0
+                    label = _text(row[-1]) if row[-1] is not None else None
+                    merged[anchor].add(counters, seen, label)
+            return rank(merged.values(), limit)
+
+        return await self._guarded("top_prefixes", self._opts.timeouts.read_s, [], run)

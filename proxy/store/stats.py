@@ -1,0 +1,317 @@
+"""Request statistics as additive counters: one sample in, a bag of increments out.
+
+Every finished request becomes a ``StatsSample``; ``sample_increments`` turns it into named
+counters that only ever add up (sums, counts, histogram buckets). Because every field is a plain
+sum, a minute bucket, an hour rollup and a whole window are all the same thing, a ``Tally``, and
+both stores keep them the same way: a Redis hash with ``HINCRBYFLOAT`` per field, or a dict.
+
+Derived figures are computed at read time from exact sums, so the token-weighted measured hit
+rate of a window is exact whatever its bucket size. Latencies go into fixed log-spaced buckets
+(``LATENCY_BOUNDS_MS``, ten per decade from 1 ms to 125 s) and percentiles are interpolated
+within a bucket, so they are good to about a quarter of the bucket's value.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.records import RequestRecord
+
+UNKNOWN = "unknown"
+
+# Ten buckets per decade (the R10 preferred numbers), 1 ms .. 125 s; one more for anything above.
+_R10 = (1.0, 1.25, 1.6, 2.0, 2.5, 3.15, 4.0, 5.0, 6.3, 8.0)
+LATENCY_BOUNDS_MS: tuple[float, ...] = (
+    *(round(m * 10**d, 2) for d in range(5) for m in _R10),
+    100_000.0,
+    125_000.0,
+)
+LATENCY_METRICS = ("ttft", "ttfvt", "tpot", "e2e")
+PERCENTILES = (0.5, 0.9, 0.99)
+RULE_PREFIX = "rule:"
+
+
+def latency_bucket(value_ms: float) -> int:
+    """Index of the histogram bucket holding ``value_ms`` (upper bounds are inclusive)."""
+    return bisect_left(LATENCY_BOUNDS_MS, value_ms)
+
+
+@dataclass(slots=True, kw_only=True)
+class StatsSample:
+    """What the statistics keep of one finished request."""
+
+    ts: float
+    namespace: str
+    model: str
+    backend: str
+    status: int
+    error: bool
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    predicted_cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_ms: float | None = None
+    ttfvt_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+    slo_met: bool | None = None
+    saved_prefill_ms: float | None = None
+    saved_usd: float | None = None
+    prefix_anchor: str | None = None
+    canonical_rules: list[str] = field(default_factory=list)
+    prefix_label: str | None = None
+
+    @classmethod
+    def from_record(
+        cls,
+        record: RequestRecord,
+        *,
+        namespace: str,
+        ts: float,
+        prefix_label: str | None = None,
+    ) -> StatsSample:
+        """The sample for one finished request.
+
+        ``prefix_label`` is a short human-readable name for the request's application prefix;
+        pass it only when the operator opted in to logging prompt text.
+        """
+        return cls(
+            ts=ts,
+            namespace=namespace,
+            model=record.model or UNKNOWN,
+            backend=record.backend or UNKNOWN,
+            status=record.status,
+            error=record.error is not None or record.status >= 400,
+            prompt_tokens=record.prompt_tokens,
+            cached_tokens=record.cached_tokens,
+            predicted_cached_tokens=record.predicted_cached_tokens,
+            completion_tokens=record.completion_tokens,
+            ttft_ms=record.ttft_ms,
+            ttfvt_ms=record.ttfvt_ms,
+            tpot_ms=record.tpot_ms,
+            e2e_ms=record.e2e_ms,
+            slo_met=record.slo_met,
+            saved_prefill_ms=record.saved_prefill_ms,
+            saved_usd=record.saved_usd,
+            prefix_anchor=record.prefix_anchor,
+            canonical_rules=list(record.canonical_rules),
+            prefix_label=prefix_label,
+        )
+
+    def latencies(self) -> dict[str, float | None]:
+        """The four latencies by metric name."""
+        return {
+            "ttft": self.ttft_ms,
+            "ttfvt": self.ttfvt_ms,
+            "tpot": self.tpot_ms,
+            "e2e": self.e2e_ms,
+        }
+
+
+def sample_increments(sample: StatsSample) -> dict[str, float]:
+    """The counters one request adds to its bucket (fields that would add zero are left out)."""
+    inc: dict[str, float] = {"requests": 1.0}
+    if sample.error:
+        inc["errors"] = 1.0
+    prompt = sample.prompt_tokens
+    if prompt is not None:
+        inc["prompt_known"] = 1.0
+        inc["prompt_tokens"] = float(prompt)
+    if sample.completion_tokens:
+        inc["completion_tokens"] = float(sample.completion_tokens)
+    cached, predicted = sample.cached_tokens, sample.predicted_cached_tokens
+    if cached is not None and prompt is not None:
+        inc["cached_known"] = 1.0
+        inc["cached_tokens"] = float(cached)
+        inc["cached_prompt_tokens"] = float(prompt)
+        if prompt > 0:
+            inc["hit_rate_n"] = 1.0
+            inc["hit_rate_sum"] = cached / prompt
+    if predicted is not None and prompt is not None:
+        inc["predicted_known"] = 1.0
+        inc["predicted_tokens"] = float(predicted)
+        inc["predicted_prompt_tokens"] = float(prompt)
+    if cached is not None and predicted is not None and prompt is not None:
+        miss = abs(predicted - cached)
+        inc["pred_err_n"] = 1.0
+        inc["pred_err_tokens"] = float(miss)
+        inc["pred_err_points"] = 100.0 * miss / prompt if prompt > 0 else 0.0
+    if sample.slo_met is not None:
+        inc["slo_evaluated"] = 1.0
+        if sample.slo_met:
+            inc["slo_met"] = 1.0
+    saved_ms, saved_usd = sample.saved_prefill_ms, sample.saved_usd
+    if saved_ms is not None and math.isfinite(saved_ms):
+        inc["saved_prefill_ms"] = float(saved_ms)
+    if saved_usd is not None and math.isfinite(saved_usd):
+        inc["saved_usd"] = float(saved_usd)
+    for rule in sample.canonical_rules:
+        key = RULE_PREFIX + rule
+        inc[key] = inc.get(key, 0.0) + 1.0
+    for metric, value in sample.latencies().items():
+        if value is None or not math.isfinite(value) or value < 0:
+            continue
+        inc[f"{metric}:n"] = 1.0
+        inc[f"{metric}:sum"] = value
+        inc[f"{metric}:h{latency_bucket(value)}"] = 1.0
+    return {k: v for k, v in inc.items() if v != 0.0 or k == "requests"}
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def _rounded(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+class Tally:
+    """Additive counters of one bucket, one window or one breakdown, and what derives from them."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self, counts: Mapping[str, float] | None = None) -> None:
+        self.counts: dict[str, float] = dict(counts or {})
+
+    def add(self, field_name: str, value: float) -> None:
+        """Add ``value`` to one counter."""
+        self.counts[field_name] = self.counts.get(field_name, 0.0) + value
+
+    def merge(self, other: Tally) -> None:
+        """Add every counter of ``other``."""
+        for name, value in other.counts.items():
+            self.add(name, value)
+
+    def get(self, name: str) -> float:
+        """A counter, 0 when never incremented."""
+        return self.counts.get(name, 0.0)
+
+    @property
+    def requests(self) -> int:
+        return round(self.get("requests"))
+
+    @property
+    def hit_rate_token_weighted(self) -> float | None:
+        """Measured cached tokens over prompt tokens, over requests whose backend reported."""
+        return _ratio(self.get("cached_tokens"), self.get("cached_prompt_tokens"))
+
+    @property
+    def hit_rate_per_request_mean(self) -> float | None:
+        """Mean of per-request measured hit rates."""
+        return _ratio(self.get("hit_rate_sum"), self.get("hit_rate_n"))
+
+    @property
+    def predicted_hit_rate(self) -> float | None:
+        """Predicted cached tokens over prompt tokens (token-weighted)."""
+        return _ratio(self.get("predicted_tokens"), self.get("predicted_prompt_tokens"))
+
+    @property
+    def prediction_mae_tokens(self) -> float | None:
+        """Mean |predicted - measured| cached tokens, over requests where both are known."""
+        return _ratio(self.get("pred_err_tokens"), self.get("pred_err_n"))
+
+    @property
+    def prediction_mae_points(self) -> float | None:
+        """The same error in hit-rate percentage points."""
+        return _ratio(self.get("pred_err_points"), self.get("pred_err_n"))
+
+    @property
+    def error_rate(self) -> float | None:
+        return _ratio(self.get("errors"), self.get("requests"))
+
+    @property
+    def goodput_share(self) -> float | None:
+        """Share of SLO-evaluated requests that met the SLO (None when no SLO is set)."""
+        return _ratio(self.get("slo_met"), self.get("slo_evaluated"))
+
+    def rules(self) -> dict[str, int]:
+        """How often each canonicalization rule fired."""
+        n = len(RULE_PREFIX)
+        return {
+            k[n:]: round(v) for k, v in sorted(self.counts.items()) if k.startswith(RULE_PREFIX)
+        }
+
+    def histogram(self, metric: str) -> list[int]:
+        """Counts per latency bucket (one more than ``LATENCY_BOUNDS_MS``: the overflow)."""
+        return [round(self.get(f"{metric}:h{i}")) for i in range(len(LATENCY_BOUNDS_MS) + 1)]
+
+    def percentile(self, metric: str, q: float) -> float | None:
+        """The ``q`` quantile of a latency, interpolated linearly inside its bucket."""
+        counts = self.histogram(metric)
+        total = sum(counts)
+        if total == 0:
+            return None
+        target = q * total
+        seen = 0
+        for i, c in enumerate(counts):
+            if c and seen + c >= target:
+                lo = LATENCY_BOUNDS_MS[i - 1] if i > 0 else 0.0
+                hi = LATENCY_BOUNDS_MS[i] if i < len(LATENCY_BOUNDS_MS) else lo
+                return lo + (hi - lo) * max(target - seen, 0.0) / c
+            seen += c
+        return LATENCY_BOUNDS_MS[-1]  # unreachable: the loop always reaches ``total``
+
+    def latency_summary(self, metric: str) -> dict[str, float | int | None]:
+        """Count, mean and p50/p90/p99 of one latency metric."""
+        n = self.get(f"{metric}:n")
+        out: dict[str, float | int | None] = {
+            "count": round(n),
+            "mean": _rounded(_ratio(self.get(f"{metric}:sum"), n), 3),
+        }
+        for q in PERCENTILES:
+            out[f"p{round(q * 100)}"] = _rounded(self.percentile(metric, q), 3)
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Totals and derived figures as a JSON-ready dict."""
+        return {
+            "requests": self.requests,
+            "errors": round(self.get("errors")),
+            "error_rate": _rounded(self.error_rate),
+            "prompt_tokens": round(self.get("prompt_tokens")),
+            "completion_tokens": round(self.get("completion_tokens")),
+            "cached_tokens": round(self.get("cached_tokens")),
+            "cached_reported_requests": round(self.get("cached_known")),
+            "predicted_cached_tokens": round(self.get("predicted_tokens")),
+            "predicted_requests": round(self.get("predicted_known")),
+            "hit_rate_token_weighted": _rounded(self.hit_rate_token_weighted),
+            "hit_rate_per_request_mean": _rounded(self.hit_rate_per_request_mean),
+            "predicted_hit_rate": _rounded(self.predicted_hit_rate),
+            "prediction_mae_tokens": _rounded(self.prediction_mae_tokens, 2),
+            "prediction_mae_points": _rounded(self.prediction_mae_points, 2),
+            "slo_met": round(self.get("slo_met")),
+            "slo_evaluated": round(self.get("slo_evaluated")),
+            "goodput_share": _rounded(self.goodput_share),
+            "saved_prefill_ms": round(self.get("saved_prefill_ms"), 3),
+            "saved_usd": round(self.get("saved_usd"), 6),
+            "rules": self.rules(),
+            "latency_ms": {m: self.latency_summary(m) for m in LATENCY_METRICS},
+        }
+
+    def point(self) -> dict[str, Any]:
+        """The compact subset drawn on charts, one per time-series point."""
+        return {
+            "requests": self.requests,
+            "errors": round(self.get("errors")),
+            "prompt_tokens": round(self.get("prompt_tokens")),
+            "cached_tokens": round(self.get("cached_tokens")),
+            "hit_rate_token_weighted": _rounded(self.hit_rate_token_weighted),
+            "predicted_hit_rate": _rounded(self.predicted_hit_rate),
+            "goodput_share": _rounded(self.goodput_share),
+            "ttft_p50_ms": _rounded(self.percentile("ttft", 0.5), 3),
+            "ttft_p99_ms": _rounded(self.percentile("ttft", 0.99), 3),
+            "tpot_p50_ms": _rounded(self.percentile("tpot", 0.5), 3),
+            "saved_prefill_ms": round(self.get("saved_prefill_ms"), 3),
+        }
+
+
+def total_of(tallies: Iterable[Tally]) -> Tally:
+    """One tally adding up several."""
+    out = Tally()
+    for t in tallies:
+        out.merge(t)
+    return out
