@@ -38,5 +38,5 @@ class ProxyState:
 
 
 STATE = web.AppKey("prefixgate_state", ProxyState)
-REQUEST_ID = "prefixgate_request_id"
-T_START = "prefixgate_t_start"
+REQUEST_ID = web.RequestKey("prefixgate_request_id", str)
+T_START = web.RequestKey("prefixgate_t_start", float)
