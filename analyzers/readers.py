@@ -156,22 +156,24 @@ def _read_mooncake(path: Path, trace: Trace, namespace: int, advance: Progress) 
     block = float(MOONCAKE_BLOCK_TOKENS)
     trace.granularity.add("block")
     append = trace.requests.append
+    loads = orjson.loads
     pending = 0
     with path.open("rb") as fh:
         for line in fh:
             pending += len(line)
-            obj = _loads(line)
-            if obj is None or "hash_ids" not in obj:
-                trace.skipped += 1
+            try:
+                obj = loads(line)
+                ids = obj["hash_ids"]
+                get = obj.get
+            except (orjson.JSONDecodeError, TypeError, KeyError, AttributeError):
+                trace.skipped += 1  # blank or broken lines, or another kind of object
                 continue
-            ids = obj["hash_ids"]
-            keys = [namespace + i for i in ids] if namespace else ids
             append(
                 TraceRequest(
-                    ts=float(obj.get("timestamp") or 0) / 1000.0,
+                    ts=float(get("timestamp") or 0) / 1000.0,
                     source=source,
-                    keys=keys,
-                    prompt_tokens=float(obj.get("input_length") or len(ids) * block),
+                    keys=[namespace + i for i in ids] if namespace else ids,
+                    prompt_tokens=float(get("input_length") or len(ids) * block),
                     block_tokens=block,
                 )
             )

@@ -4,7 +4,8 @@ Run: ``python bench/bench_analyzer.py [--records N]``. Measures, on the public t
 ``../shared/workloads`` and on a generated prefixgate log of N request records (segment tables
 made by the real fingerprint, no bodies):
 
-- read + ideal: parsing every line and replaying it through the unbounded cache;
+- read + ideal: parsing every line and replaying it through the unbounded cache (best of
+  three; records/s, and prefix keys/s since a Claude Code request holds ~1,500 blocks);
 - full: the whole ``analyze`` run (capacity curve, prefix tree, breakers, providers, goodput).
 """
 
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=100_000)
     args = parser.parse_args(argv)
     table = Table(title="analyzer throughput")
-    for column in ("input", "requests", "read+ideal s", "records/s", "full run s"):
+    for column in ("input", "requests", "read+ideal s", "records/s", "blocks/s", "full run s"):
         table.add_column(column, justify="right")
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "records.jsonl"
@@ -103,11 +104,20 @@ def main(argv: list[str] | None = None) -> int:
         }
         for name, paths in inputs.items():
             if not all(p.exists() for p in paths) or not paths:
-                table.add_row(name, "missing", "", "", "")
+                table.add_row(name, "missing", "", "", "", "")
                 continue
-            n, read_s = timed(lambda paths=paths: read_and_replay(paths))
+            runs = [timed(lambda paths=paths: read_and_replay(paths)) for _ in range(3)]
+            n, read_s = min(runs, key=lambda run: run[1])  # best of three: a shared box is noisy
             _, full_s = timed(lambda paths=paths: full_run(paths))
-            table.add_row(name, f"{n:,}", f"{read_s:.3f}", f"{n / read_s:,.0f}", f"{full_s:.2f}")
+            keys = sum(len(r.keys) for r in read_paths(paths).requests)
+            table.add_row(
+                name,
+                f"{n:,}",
+                f"{read_s:.3f}",
+                f"{n / read_s:,.0f}",
+                f"{keys / read_s:,.0f}",
+                f"{full_s:.2f}",
+            )
     Console().print(table)
     return 0
 
