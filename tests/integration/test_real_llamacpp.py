@@ -114,3 +114,34 @@ async def test_passthrough_reaches_real_backend(real_proxy: RunningProxy) -> Non
             async with s.get(real_proxy.url + path) as resp:
                 assert resp.status == 200, path
                 assert isinstance(await resp.json(), dict)
+
+
+async def test_multi_turn_predicted_and_measured_hit_rates_agree(
+    real_proxy: RunningProxy, oai: AsyncOpenAI
+) -> None:
+    """Over a multi-turn conversation the index's predicted hit rate tracks the measured one."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM[:1500]}]
+    questions = ["Hi there.", "What is policy 3?", "And policy 4?", "Thanks. Policy 7?",
+                 "What about receipts?", "Bye."]
+    first = len(real_proxy.records)
+    for q in questions:
+        messages.append({"role": "user", "content": q})
+        resp = await oai.chat.completions.create(
+            model="smollm2", messages=messages,  # type: ignore[arg-type]
+            max_tokens=12, temperature=0,
+        )
+        messages.append({"role": "assistant", "content": resp.choices[0].message.content or ""})
+    await real_proxy.writer.drain()
+    turns = real_proxy.records[first:]
+    assert len(turns) == len(questions)
+    diffs = []
+    for rec in turns[1:]:  # the first turn is cold for both
+        assert rec.prompt_tokens and rec.cached_tokens is not None
+        assert rec.predicted_cached_tokens is not None
+        measured = rec.cached_tokens / rec.prompt_tokens
+        predicted = rec.predicted_cached_tokens / rec.prompt_tokens
+        diffs.append(abs(measured - predicted))
+        print(f"\nturn prompt={rec.prompt_tokens} measured={measured:.3f} predicted={predicted:.3f}")
+    mae = sum(diffs) / len(diffs)
+    print(f"\nmean absolute difference predicted vs measured hit rate: {mae:.3f}")
+    assert mae < 0.15
