@@ -81,6 +81,8 @@ async def inference(request: web.Request) -> web.StreamResponse:
         replicas = [r.url for r in state.fleet.replicas]
         view = await state.tracker.lookup(route, body, replicas)
         replica = state.fleet.choose(dict(view.matched_blocks))
+        if model is None and replica.info is not None:
+            model = replica.info.model
         ex.backend_url = replica.url
         ex.dialect = replica.dialect
         ex.strip_usage = ex.dialect.prepare(route, body, stream=ex.stream)

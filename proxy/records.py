@@ -65,8 +65,17 @@ class RequestRecord:
     def as_dict(self) -> dict[str, Any]:
         """The record as the flat JSON object written to the log (``extra`` merged in)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        out["hit_rate"] = _rate(self.hit_rate)
+        out["predicted_hit_rate"] = _rate(self.predicted_hit_rate)
         out.update(self.extra)
         return out
+
+    @property
+    def predicted_hit_rate(self) -> float | None:
+        """Share of prompt tokens the prefix index predicted would come from cache."""
+        if self.predicted_cached_tokens is None or not self.prompt_tokens:
+            return None
+        return min(self.predicted_cached_tokens / self.prompt_tokens, 1.0)
 
     @property
     def hit_rate(self) -> float | None:
@@ -74,6 +83,10 @@ class RequestRecord:
         if self.cached_tokens is None or not self.prompt_tokens:
             return None
         return self.cached_tokens / self.prompt_tokens
+
+
+def _rate(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def utc_now_iso() -> str:

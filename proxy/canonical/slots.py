@@ -1,0 +1,133 @@
+"""Where the rules may read and write text in a chat request.
+
+A *text slot* is one string the canonicalizer owns: the content of a system or developer
+message (a string, or one text part of a content list), a tool's description, or a
+``description`` inside a tool's parameter schema. User, assistant and tool messages are never
+slots; nor is anything inside a schema's data keywords (``enum``, ``const``, ``default``,
+``examples``), which are values, not prose.
+
+The *stable segments* are the tools and the leading run of system/developer messages: what an
+application sends unchanged on every turn, and so what the volatile rules clean. A system
+message later in the conversation is history; it is resent as it was, so it is left alone.
+
+Anything of an unexpected type (a message that is not an object, content that is neither a
+string nor a list) is skipped, never an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+from proxy.canonical.draft import Path
+from proxy.fingerprint import SYSTEM_ROLES
+
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "example"})
+_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+
+
+class TextSlot(NamedTuple):
+    """One owned string: where it is, what it holds, and whether it ends its message.
+
+    ``whole`` is False for a text part of a content list: templates join parts with nothing
+    in between, so a blank at a part's end may be the space between two words.
+    """
+
+    path: Path
+    text: str
+    whole: bool
+
+
+def is_system(message: Any) -> bool:
+    """Whether ``message`` is a system or developer message."""
+    return type(message) is dict and message.get("role") in SYSTEM_ROLES
+
+
+def content_slots(path: Path, content: Any) -> Iterator[TextSlot]:
+    """The text slots of one message's ``content`` at ``path``."""
+    if isinstance(content, str):
+        yield TextSlot(path, content, True)
+    elif isinstance(content, list):
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                yield TextSlot((*path, j), part, False)
+            elif (
+                type(part) is dict and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
+                yield TextSlot((*path, j, "text"), part["text"], False)
+
+
+def system_slots(body: dict[str, Any], *, leading_only: bool) -> Iterator[TextSlot]:
+    """Text slots of the system/developer messages (only the leading run if ``leading_only``)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return
+    for i, message in enumerate(messages):
+        if is_system(message):
+            yield from content_slots(("messages", i, "content"), message.get("content"))
+        elif leading_only:
+            return
+
+
+def leading_system_indexes(body: dict[str, Any]) -> list[int]:
+    """Indexes of the leading run of system/developer messages."""
+    messages = body.get("messages")
+    out: list[int] = []
+    if isinstance(messages, list):
+        for i, message in enumerate(messages):
+            if not is_system(message):
+                break
+            out.append(i)
+    return out
+
+
+def newest_user_index(body: dict[str, Any]) -> int | None:
+    """Index of the last message with role ``user``, or None."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    for i in range(len(messages) - 1, -1, -1):
+        message = messages[i]
+        if type(message) is dict and message.get("role") == "user":
+            return i
+    return None
+
+
+def schema_descriptions(path: Path, schema: Any) -> Iterator[TextSlot]:
+    """The ``description`` strings inside a JSON Schema, in document order."""
+    stack: list[tuple[Path, Any]] = [(path, schema)]
+    while stack:
+        where, node = stack.pop()
+        children: list[tuple[Path, Any]] = []
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "description" and isinstance(value, str):
+                    yield TextSlot((*where, key), value, True)
+                elif key in _DATA_KEYWORDS:
+                    continue
+                elif key in _NAME_MAPS and isinstance(value, dict):
+                    children += [((*where, key, name), sub) for name, sub in value.items()]
+                elif isinstance(value, dict | list):
+                    children.append(((*where, key), value))
+        elif isinstance(node, list):
+            children = [((*where, i), item) for i, item in enumerate(node)]
+        stack.extend(reversed(children))
+
+
+def tool_slots(body: dict[str, Any]) -> Iterator[TextSlot]:
+    """Descriptions of every tool (and legacy function) and of their parameters."""
+    for key, nested in (("tools", True), ("functions", False)):
+        items = body.get(key)
+        if not isinstance(items, list):
+            continue
+        for i, item in enumerate(items):
+            function = item.get("function") if nested and type(item) is dict else item
+            if type(function) is not dict:
+                continue
+            where: Path = (key, i, "function") if nested else (key, i)
+            description = function.get("description")
+            if isinstance(description, str):
+                yield TextSlot((*where, "description"), description, True)
+            parameters = function.get("parameters")
+            if isinstance(parameters, dict | list):
+                yield from schema_descriptions((*where, "parameters"), parameters)
