@@ -10,14 +10,14 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import IO, Any
+from typing import Any, BinaryIO, cast
 
 import orjson
 import structlog
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
-_open_files: list[IO[bytes]] = []
+_open_files: list[BinaryIO] = []
 
 
 def _dumps(obj: Any, **_: Any) -> bytes:
@@ -31,10 +31,10 @@ def configure_logging(*, level: str = "info", log_file: str | None = None) -> No
     _open_files.clear()
     if log_file:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        out: IO[bytes] = open(log_file, "ab", buffering=0)  # noqa: SIM115 - lives for the process
+        out = cast(BinaryIO, open(log_file, "ab", buffering=0))  # noqa: SIM115 - process-long
         _open_files.append(out)
     else:
-        out = sys.stdout.buffer
+        out = cast(BinaryIO, sys.stdout.buffer)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -1,0 +1,168 @@
+"""Relay of complete and streamed answers: exact bytes, status, and the usage round trip."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import pytest
+from fakes import DONE, PING, FakeBackend, LlamaFake, MakeProxy, VllmFake, sse_events, sse_payloads
+
+CHAT: dict[str, Any] = {
+    "model": "fake-model",
+    "messages": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say hello to my friend please"},
+    ],
+}
+COMPLETION: dict[str, Any] = {"model": "fake-model", "prompt": "Once upon a time there was"}
+
+
+async def direct(fake: FakeBackend, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    """The same request straight to the fake, its cache state as the proxied one saw it."""
+    fake.forget()
+    async with aiohttp.ClientSession() as s, s.post(fake.url + path, json=body) as resp:
+        return resp.status, await resp.read()
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION), ("/completion", COMPLETION)],
+)
+async def test_llama_non_stream_is_byte_identical(
+    llama_fake: LlamaFake, make_proxy: MakeProxy, path: str, body: dict[str, Any]
+) -> None:
+    """A non-streamed llama.cpp answer reaches the client with the backend's bytes and status."""
+    client, _, _ = await make_proxy(llama_fake.url)
+    async with client.post(path, json=body) as resp:
+        got = (resp.status, await resp.read())
+        assert resp.headers["Content-Type"].startswith("application/json")
+    assert got == await direct(llama_fake, path, body)
+    assert got[0] == 200
+
+
+@pytest.mark.parametrize(
+    "path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)]
+)
+async def test_vllm_non_stream_is_byte_identical(
+    vllm_fake: VllmFake, make_proxy: MakeProxy, path: str, body: dict[str, Any]
+) -> None:
+    """A non-streamed vLLM answer reaches the client with the backend's bytes and status."""
+    client, _, _ = await make_proxy(vllm_fake.url)
+    async with client.post(path, json=body) as resp:
+        got = (resp.status, await resp.read())
+    assert got == await direct(vllm_fake, path, body)
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION), ("/completion", COMPLETION)],
+)
+@pytest.mark.parametrize("include_usage", [False, True])
+async def test_llama_stream_is_byte_identical(
+    llama_fake: LlamaFake,
+    make_proxy: MakeProxy,
+    path: str,
+    body: dict[str, Any],
+    include_usage: bool,
+) -> None:
+    """Streamed llama.cpp events, pings and [DONE] reach the client exactly as sent directly."""
+    llama_fake.knobs.ping_first = True
+    req = {**body, "stream": True}
+    if include_usage and path != "/completion":
+        req["stream_options"] = {"include_usage": True}
+    client, _, _ = await make_proxy(llama_fake.url)
+    async with client.post(path, json=req) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        got = await resp.read()
+    _, want = await direct(llama_fake, path, req)
+    assert got == want
+    assert got.startswith(PING)
+    assert got.endswith(DONE) == (path != "/completion")
+
+
+@pytest.mark.parametrize(
+    "path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)]
+)
+@pytest.mark.parametrize("include_usage", [False, True])
+async def test_vllm_stream_is_byte_identical(
+    vllm_fake: VllmFake,
+    make_proxy: MakeProxy,
+    path: str,
+    body: dict[str, Any],
+    include_usage: bool,
+) -> None:
+    """Streamed vLLM events reach the client exactly as the backend sends them directly."""
+    vllm_fake.prompt_tokens_details = True
+    vllm_fake.knobs.reasoning = ["Let", " me", " think"]
+    req = {**body, "stream": True}
+    if include_usage:
+        req["stream_options"] = {"include_usage": True}
+    client, _, _ = await make_proxy(vllm_fake.url)
+    async with client.post(path, json=req) as resp:
+        got = await resp.read()
+    _, want = await direct(vllm_fake, path, req)
+    assert got == want
+    assert got.endswith(DONE)
+
+
+async def test_proxy_asks_for_usage_and_strips_it(
+    llama_fake: LlamaFake, make_proxy: MakeProxy
+) -> None:
+    """Without include_usage the proxy asks upstream, hides the usage chunk, keeps timings."""
+    client, records, _ = await make_proxy(llama_fake.url)
+    async with client.post("/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+        got = await resp.read()
+    assert llama_fake.last_body is not None
+    assert llama_fake.last_body["stream_options"] == {"include_usage": True}
+    payloads = sse_payloads(got)
+    assert all(p["choices"] for p in payloads), "a usage-only chunk reached the client"
+    assert not any("usage" in p for p in payloads)
+    finish = payloads[-1]
+    assert finish["choices"][0]["finish_reason"] == "stop"
+    assert finish["timings"]["prompt_n"] > 0
+    rec = await records.wait()
+    assert rec.prompt_tokens == finish["timings"]["prompt_n"] + finish["timings"]["cache_n"]
+    assert rec.completion_tokens == 5
+
+
+async def test_vllm_usage_stripped_when_not_asked(
+    vllm_fake: VllmFake, make_proxy: MakeProxy
+) -> None:
+    """vLLM: the injected usage chunk is removed, yet the record still has the counts."""
+    client, records, _ = await make_proxy(vllm_fake.url)
+    async with client.post("/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+        got = await resp.read()
+    assert vllm_fake.last_body is not None
+    assert vllm_fake.last_body["stream_options"] == {"include_usage": True}
+    assert all(p["choices"] for p in sse_payloads(got))
+    rec = await records.wait()
+    assert rec.completion_tokens == 5
+    assert rec.prompt_tokens == 11  # words of roles and contents
+
+
+async def test_client_usage_request_is_honoured(vllm_fake: VllmFake, make_proxy: MakeProxy) -> None:
+    """When the client asked for usage it gets the usage chunk, before [DONE]."""
+    client, _, _ = await make_proxy(vllm_fake.url)
+    req = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.post("/v1/chat/completions", json=req) as resp:
+        got = await resp.read()
+    events = sse_events(got)
+    assert events[-1] == DONE
+    usage = sse_payloads(got)[-1]
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 5
+
+
+async def test_stream_events_arrive_as_sent(llama_fake: LlamaFake, make_proxy: MakeProxy) -> None:
+    """Each streamed event reaches the client before the backend sends the next one."""
+    llama_fake.knobs.token_delay_s = 0.15
+    client, _, _ = await make_proxy(llama_fake.url)
+    async with client.post("/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+        first = await resp.content.readuntil(b"\n\n")
+        second = await resp.content.readuntil(b"\n\n")
+        assert not llama_fake.finished.is_set()
+        await resp.read()
+    assert b'"role":"assistant"' in first
+    assert b'"content":"Hello"' in second

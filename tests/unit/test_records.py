@@ -1,0 +1,158 @@
+"""Record derivation: latencies, SLO verdicts, savings, and the writer's sinks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import structlog
+
+from proxy.records import (
+    Observation,
+    Pricing,
+    RecordBuilder,
+    RecordWriter,
+    RequestRecord,
+    Slo,
+    derive_latencies,
+)
+
+
+def obs(**kw: float | int | None) -> Observation:
+    return Observation(t_start=100.0, **kw)  # type: ignore[arg-type]
+
+
+def test_stream_latencies_observed() -> None:
+    """Streams: TTFT, TTFVT from the proxy's clock; TPOT spans first→last over n-1 tokens."""
+    o = obs(t_first_token=100.2, t_first_visible=100.5, t_last_token=101.2, completion_tokens=11)
+    ttft, ttfvt, tpot, source = derive_latencies(o, stream=True)
+    assert (ttft, ttfvt, tpot, source) == (200.0, 500.0, 100.0, "observed")
+
+
+def test_stream_tpot_falls_back_to_event_count() -> None:
+    """Without a usage count, TPOT uses the number of token events; one token gives none."""
+    o = obs(t_first_token=100.1, t_last_token=100.5, token_events=5)
+    assert derive_latencies(o, stream=True)[2] == 100.0
+    single = obs(t_first_token=100.1, t_last_token=100.1, token_events=1, completion_tokens=1)
+    assert derive_latencies(single, stream=True)[2] is None
+
+
+def test_non_stream_uses_backend_decode_time() -> None:
+    """Non-streamed: TTFT is end-to-end minus the backend's decode time; TPOT the backend's."""
+    o = obs(t_end=101.0, backend_decode_ms=700.0, backend_tpot_ms=20.0)
+    assert derive_latencies(o, stream=False) == (300.0, None, 20.0, "backend")
+    assert derive_latencies(obs(t_end=101.0), stream=False) == (None, None, None, "none")
+
+
+@pytest.mark.parametrize(
+    "slo,status,ttft,tpot,met",
+    [
+        (Slo(), 200, 1.0, 1.0, None),
+        (Slo(ttft_ms=100), 200, 99.0, None, True),
+        (Slo(ttft_ms=100), 200, 101.0, None, False),
+        (Slo(ttft_ms=100), 200, None, None, False),
+        (Slo(tpot_ms=10), 200, None, 11.0, False),
+        (Slo(tpot_ms=10), 200, None, None, True),
+        (Slo(ttft_ms=100), 500, 1.0, None, False),
+    ],
+)
+def test_slo(
+    slo: Slo, status: int, ttft: float | None, tpot: float | None, met: bool | None
+) -> None:
+    """The SLO is met only by a success within every configured bound."""
+    assert slo.met(status, ttft, tpot) is met
+
+
+def test_pricing() -> None:
+    """Savings are cached tokens times the price difference; unknown without a price or count."""
+    p = Pricing(input_per_mtok=3.0, cached_input_per_mtok=0.3)
+    assert p.saved_usd(1_000_000) == pytest.approx(2.7)
+    assert p.saved_usd(None) is None
+    assert Pricing().saved_usd(100) is None
+
+
+def build(builder: RecordBuilder, o: Observation, **kw: object) -> RequestRecord:
+    args: dict[str, object] = {
+        "ts": "t",
+        "request_id": "r",
+        "route": "/v1/chat/completions",
+        "model": "m",
+        "backend": "http://b",
+        "dialect": "llamacpp",
+        "stream": True,
+        "status": 200,
+        "error": None,
+    }
+    args.update(kw)
+    return builder.build(o, **args)  # type: ignore[arg-type]
+
+
+def test_builder_cached_source_and_saved_ms() -> None:
+    """Cached tokens: null is 'unknown', a number is 'reported'; savings follow prefill rate."""
+    b = RecordBuilder(slo=Slo(), pricing=Pricing())
+    first = build(
+        b, obs(t_end=101.0, prompt_tokens=1000, cached_tokens=0, backend_prefill_ms=500.0)
+    )
+    assert (first.cached_tokens, first.cached_tokens_source) == (0, "reported")
+    second = build(b, obs(t_end=101.0, prompt_tokens=1000, cached_tokens=800))
+    assert second.saved_prefill_ms == pytest.approx(400.0)  # 0.5 ms per token learned above
+    unknown = build(b, obs(t_end=101.0, prompt_tokens=1000))
+    assert (unknown.cached_tokens, unknown.cached_tokens_source) == (None, "unknown")
+    assert unknown.saved_prefill_ms is None
+
+
+def test_builder_error_misses_slo_and_overhead() -> None:
+    """An errored record misses a configured SLO; overhead is body-read→forward plus inspection."""
+    b = RecordBuilder(slo=Slo(ttft_ms=10_000), pricing=Pricing())
+    o = obs(
+        t_body_read=100.001, t_forward=100.003, t_first_token=100.1, t_end=100.2, inspect_s=0.0005
+    )
+    rec = build(b, o, error="backend_timeout")
+    assert rec.slo_met is False
+    assert rec.proxy_overhead_ms == pytest.approx(2.5)
+    assert rec.e2e_ms == pytest.approx(200.0)
+
+
+def test_record_as_dict_merges_extra() -> None:
+    """as_dict is flat: schema fields plus extra, no 'extra' key."""
+    rec = RequestRecord(
+        ts="t",
+        request_id="r",
+        route="/x",
+        model=None,
+        backend=None,
+        stream=False,
+        status=200,
+        extra={"prefix_matched_blocks": 3},
+    )
+    d = rec.as_dict()
+    assert d["prefix_matched_blocks"] == 3 and "extra" not in d
+    assert d["cached_tokens"] is None and d["cached_tokens_source"] == "unknown"
+
+
+async def test_writer_sinks_sync_async_and_failing() -> None:
+    """Sinks get each record; async ones run in the background; a failing one breaks nothing."""
+    writer = RecordWriter(logger=structlog.get_logger("t"))
+    seen: list[str] = []
+    done = asyncio.Event()
+
+    def broken(rec: RequestRecord) -> None:
+        raise RuntimeError("sink down")
+
+    async def slow(rec: RequestRecord) -> None:
+        await asyncio.sleep(0.01)
+        seen.append("async:" + rec.request_id)
+        done.set()
+
+    writer.add_sink(broken)
+    writer.add_sink(lambda rec: seen.append("sync:" + rec.request_id))
+    writer.add_sink(slow)
+    writer.emit(
+        RequestRecord(
+            ts="t", request_id="r1", route="/x", model=None, backend=None, stream=False, status=200
+        )
+    )
+    assert seen == ["sync:r1"]
+    await writer.drain()
+    assert seen == ["sync:r1", "async:r1"]
+    assert not writer.pending
