@@ -6,6 +6,7 @@ in one ``cleanup_ctx`` context manager; handlers reach them through the typed ``
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,6 +16,7 @@ import structlog
 from aiohttp import web
 
 from proxy import handlers
+from proxy.canonical import Canonicalizer, config_from_mapping
 from proxy.config import Settings
 from proxy.errors import ProxyError, error_response
 from proxy.fleet import Fleet
@@ -57,8 +59,26 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     return resp
 
 
+def build_canonicalizer(settings: Settings) -> Canonicalizer:
+    """The canonicalizer from the ``[canonical]`` TOML table and the global switches.
+
+    ``--no-canonicalize`` (or ``enabled = false`` in the table) turns it off;
+    ``--canonical-dry-run`` (or ``dry_run = true``) only records what would change.
+    Raises ``ConfigError`` on a bad table, at start-up.
+    """
+    config = config_from_mapping(settings.canonical)
+    return Canonicalizer(
+        dataclasses.replace(
+            config,
+            enabled=config.enabled and settings.canonicalize,
+            dry_run=config.dry_run or settings.canonical_dry_run,
+        )
+    )
+
+
 def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.Application:
     """The proxy as an aiohttp application (not yet started)."""
+    canonicalizer = build_canonicalizer(settings)
     app = web.Application(
         middlewares=[request_context], client_max_size=settings.max_body_bytes
     )
@@ -85,6 +105,7 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
                                   log_prompt_labels=settings.log_prompts),
             writer=record_writer,
             builder=RecordBuilder(slo=settings.slo, pricing=settings.pricing),
+            canonicalizer=canonicalizer,
         )
         app[STATE] = state
         await fleet.start(session)

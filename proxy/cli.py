@@ -47,9 +47,14 @@ def serve(args: argparse.Namespace) -> int:
         print(f"prefixgate: {exc}", file=sys.stderr)
         return 2
     configure_logging(level=settings.log_level, log_file=settings.log_file)
+    try:
+        app = build_app(settings)
+    except ConfigError as exc:
+        print(f"prefixgate: {exc}", file=sys.stderr)
+        return 2
     get_logger().info("starting", host=settings.host, port=settings.port)
     web.run_app(
-        build_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         handler_cancellation=True,  # a client that goes away cancels its upstream request

@@ -16,6 +16,7 @@ import orjson
 from aiohttp import web
 
 from proxy.backends import CHAT, COMPLETIONS, NATIVE_COMPLETION
+from proxy.canonical import CanonicalResult
 from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, UnsupportedMediaType
 from proxy.prefixes import PrefixView
 from proxy.records import Observation, monotonic, utc_now_iso
@@ -71,13 +72,17 @@ async def inference(request: web.Request) -> web.StreamResponse:
     replica = None
     body: dict[str, Any] | None = None
     fired: list[str] = []
+    canonical: CanonicalResult | None = None
     try:
         raw = await read_body(request, state.settings.max_body_bytes)
         obs.t_body_read = monotonic()
         body = parse_object(raw, request.content_type)
         ex.stream = body.get("stream") is True
         model = body["model"] if isinstance(body.get("model"), str) else None
-        body, fired, changed = state.canonicalize(route, body)
+        canonical = state.canonicalizer.apply(route, body)
+        changed = canonical.body is not body
+        body = canonical.body
+        fired = list(canonical.fired)
         replicas = [r.url for r in state.fleet.replicas]
         view = await state.tracker.lookup(route, body, replicas)
         replica = state.fleet.choose(dict(view.matched_blocks))
@@ -113,6 +118,11 @@ async def inference(request: web.Request) -> web.StreamResponse:
             stream=ex.stream, status=ex.status or 500, error=ex.error,
         )
         record.canonical_rules = fired
+        if canonical is not None:
+            if canonical.dry_run_fired:
+                record.extra["canonical_dry_run_rules"] = list(canonical.dry_run_fired)
+            if canonical.stable_bytes_gained:
+                record.extra["canonical_stable_bytes"] = canonical.stable_bytes_gained
         if view is not None and replica is not None:
             state.tracker.annotate(record, view, replica.url)
         if state.settings.log_prompts and body is not None:

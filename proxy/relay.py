@@ -75,10 +75,18 @@ async def open_upstream(
     if request.query_string:
         url = f"{url}?{request.query_string}"
     try:
-        return await session.request(
-            request.method, url, data=body, headers=headers,
-            timeout=upstream_timeout(timeouts), allow_redirects=False,
-        )
+        try:
+            return await session.request(
+                request.method, url, data=body, headers=headers,
+                timeout=upstream_timeout(timeouts), allow_redirects=False,
+            )
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            # A pooled keep-alive connection the backend had already closed (llama-server
+            # closes idle ones): nothing was answered, so one retry on a new connection is safe.
+            return await session.request(
+                request.method, url, data=body, headers=headers,
+                timeout=upstream_timeout(timeouts), allow_redirects=False,
+            )
     except TimeoutError as exc:
         raise BackendTimeout(f"backend did not answer in time: {url}") from exc
     except aiohttp.ClientError as exc:

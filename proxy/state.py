@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from proxy.canonical import Canonicalizer
 from proxy.config import Settings
 from proxy.fleet import Fleet
 from proxy.prefixes import PrefixTracker
 from proxy.records import RecordBuilder, RecordWriter
 from proxy.store import PrefixStore
-
-# (route, body) -> (body to forward, rules that fired, whether the body changed)
-Canonicalize = Callable[[str, dict[str, Any]], tuple[dict[str, Any], list[str], bool]]
-
-
-def no_canonicalization(route: str, body: dict[str, Any]) -> tuple[dict[str, Any], list[str], bool]:
-    return body, [], False
 
 
 @dataclass(slots=True)
@@ -34,7 +26,7 @@ class ProxyState:
     tracker: PrefixTracker
     writer: RecordWriter
     builder: RecordBuilder
-    canonicalize: Canonicalize = no_canonicalization
+    canonicalizer: Canonicalizer
 
 
 STATE = web.AppKey("prefixgate_state", ProxyState)

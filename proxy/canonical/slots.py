@@ -52,7 +52,9 @@ def content_slots(path: Path, content: Any) -> Iterator[TextSlot]:
             if isinstance(part, str):
                 yield TextSlot((*path, j), part, False)
             elif (
-                type(part) is dict and part.get("type") == "text" and isinstance(part.get("text"), str)
+                type(part) is dict
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
             ):
                 yield TextSlot((*path, j, "text"), part["text"], False)
 

@@ -260,7 +260,9 @@ def _arguments(draft: Draft, out: list[Change], skips: list[Skip]) -> None:
         if isinstance(calls, list):
             for j, call in enumerate(calls):
                 if type(call) is dict:
-                    holders.append((("messages", i, "tool_calls", j, "function"), call.get("function")))
+                    holders.append(
+                        (("messages", i, "tool_calls", j, "function"), call.get("function"))
+                    )
         holders.append((("messages", i, "function_call"), message.get("function_call")))
         for path, function in holders:
             if type(function) is not dict or "arguments" not in function:

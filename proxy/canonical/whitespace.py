@@ -60,7 +60,9 @@ def normalise_raw(text: str) -> tuple[str, int, int]:
     return head + text[cut:], breaks, trailing
 
 
-def _rewrite(draft: Draft, path: Path, text: str, strip_end: bool | None, out: list[Change]) -> None:
+def _rewrite(
+    draft: Draft, path: Path, text: str, strip_end: bool | None, out: list[Change]
+) -> None:
     """Normalise one string: ``strip_end`` None for a raw prompt."""
     if strip_end is None:
         new, breaks, trailing = normalise_raw(text)

@@ -1,0 +1,236 @@
+"""The canonicalizer: the rules run in order over a parsed request body.
+
+``Canonicalizer.apply(route, body)`` runs, in ``RULE_NAMES`` order:
+
+1. ``stable_json``, then ``whitespace``: each a pure function ``(kind, body, rule config) ->
+   RuleOutcome`` that returns a rewritten body (copy-on-write) and what it changed;
+2. the volatile rules (``volatile_timestamps``, ``volatile_uuids``, ``volatile_hex_ids``,
+   ``custom_patterns``): each a set of detectors over the stable segments; their values go
+   through one relocation, so the model sees one note however many rules found something.
+
+Modes. A rule that is off does nothing. A rule in dry-run computes what it would change and
+reports it (``dry_run_fired``, ``changes``, ``stable_bytes_gained``) but the next rule starts
+from the body it was given. Global dry-run runs every rule as if it applied, so the report is
+exactly what would happen, and then forwards the original body.
+
+Routes. Chat routes get every rule. Raw completion prompts get ``whitespace`` only if its
+``raw_prompts`` option is on, and never a volatile rule: a raw prompt has no user message to
+hold the note. Appending it to the end of the prompt would make the model continue *after* the
+note (as if it had written it, inside whatever template the prompt ends in), and prepending it
+would put the volatile value back at the front of the prefix; neither is safe, so nothing is
+relocated. Other routes pass through untouched.
+
+Guarantees: the input is never mutated; the same logical request gives the same bytes; the
+output canonicalizes to itself; no JSON object body makes ``apply`` raise. A rule that hits a
+value it does not expect skips that part; should a rule ever fail, the failure is counted, the
+rule is reported skipped (reason ``error``) and the request goes on without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from proxy.canonical.config import (
+    RULE_NAMES,
+    STABLE_JSON,
+    VOLATILE_RULES,
+    WHITESPACE,
+    CanonicalConfig,
+    RuleConfig,
+)
+from proxy.canonical.detectors import build_detectors
+from proxy.canonical.gain import Renders
+from proxy.canonical.outcome import Change, RuleOutcome, Skip
+from proxy.canonical.relocation import Relocation, detect, relocate, replace, resolve, stable_slots
+from proxy.canonical.stable_json import stable_json
+from proxy.canonical.whitespace import whitespace
+from proxy.fingerprint import CHAT_ROUTES, COMPLETION_ROUTES
+
+RewriteRule = Callable[[str, dict[str, Any], RuleConfig], RuleOutcome]
+REWRITE_RULES: tuple[tuple[str, RewriteRule], ...] = (
+    (STABLE_JSON, stable_json),
+    (WHITESPACE, whitespace),
+)
+
+
+def request_kind(route: str) -> str | None:
+    """``chat``, ``completion`` or None (a route the canonicalizer leaves alone)."""
+    if route in CHAT_ROUTES:
+        return "chat"
+    if route in COMPLETION_ROUTES:
+        return "completion"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class CanonicalResult:
+    """What the canonicalizer did to one request.
+
+    ``body`` is what to forward: the original object when nothing applied (or in global
+    dry-run). ``fired`` lists the rules whose rewrite was applied, ``dry_run_fired`` those that
+    would have rewritten the request but are in dry-run; both in ``RULE_NAMES`` order.
+    ``stable_bytes_gained`` has, for each rule in either list, the rendered-prompt bytes it
+    made (or would make) stable (see ``proxy.canonical.gain``). ``changes`` and ``skipped``
+    describe every rewrite and every skip without prompt text.
+    """
+
+    body: dict[str, Any]
+    fired: tuple[str, ...] = ()
+    dry_run_fired: tuple[str, ...] = ()
+    stable_bytes_gained: dict[str, int] = field(default_factory=dict)
+    changes: tuple[Change, ...] = ()
+    skipped: tuple[Skip, ...] = ()
+
+
+class _Run:
+    """The state of one ``apply`` call."""
+
+    __slots__ = ("body", "changes", "dry", "fired", "gains", "renders", "skipped")
+
+    def __init__(self, route: str, body: dict[str, Any]) -> None:
+        self.body = body
+        self.renders = Renders(route)
+        self.fired: list[str] = []
+        self.dry: list[str] = []
+        self.gains: dict[str, int] = {}
+        self.changes: list[Change] = []
+        self.skipped: list[Skip] = []
+
+
+class Canonicalizer:
+    """Rewrites request bodies so that their stable part is byte-identical every time."""
+
+    def __init__(self, config: CanonicalConfig | None = None) -> None:
+        self.config = config if config is not None else CanonicalConfig()
+        self._detectors = build_detectors(self.config)
+        self._fired = dict.fromkeys(RULE_NAMES, 0)
+        self._dry = dict.fromkeys(RULE_NAMES, 0)
+        self._skipped = dict.fromkeys(RULE_NAMES, 0)
+        self._errors = dict.fromkeys(RULE_NAMES, 0)
+
+    @property
+    def counters(self) -> Mapping[str, int]:
+        """Requests each rule rewrote."""
+        return MappingProxyType(self._fired)
+
+    @property
+    def dry_run_counters(self) -> Mapping[str, int]:
+        """Requests each rule would have rewritten, in dry-run."""
+        return MappingProxyType(self._dry)
+
+    @property
+    def skipped_counters(self) -> Mapping[str, int]:
+        """Requests in which each rule left something alone (see ``Skip.reason``)."""
+        return MappingProxyType(self._skipped)
+
+    @property
+    def error_counters(self) -> Mapping[str, int]:
+        """Requests in which a rule failed and was skipped: a bug, always worth a look."""
+        return MappingProxyType(self._errors)
+
+    def apply(self, route: str, body: dict[str, Any]) -> CanonicalResult:
+        """Canonicalize one request body (never mutated) for ``route``."""
+        config = self.config
+        kind = request_kind(route)
+        if not config.enabled or kind is None or type(body) is not dict:
+            return CanonicalResult(body)
+        run = _Run(route, body)
+        for name, rule_fn in REWRITE_RULES:
+            rule = config.rule(name)
+            if rule.enabled:
+                self._rewrite(run, name, rule, rule_fn, kind)
+        if kind == "chat" and self._detectors:
+            try:
+                self._relocate(run)
+            except Exception:  # a bug must cost the request its relocation, not its answer
+                for name in self._detectors:
+                    self._errors[name] += 1
+                    run.skipped.append(Skip(name, "error"))
+        for name in run.fired:
+            self._fired[name] += 1
+        for name in run.dry:
+            self._dry[name] += 1
+        for name in {s.rule for s in run.skipped}:
+            self._skipped[name] += 1
+        return CanonicalResult(
+            body=body if config.dry_run else run.body,
+            fired=tuple(run.fired),
+            dry_run_fired=tuple(run.dry),
+            stable_bytes_gained=run.gains,
+            changes=tuple(run.changes),
+            skipped=tuple(run.skipped),
+        )
+
+    def _rewrite(
+        self, run: _Run, name: str, rule: RuleConfig, rule_fn: RewriteRule, kind: str
+    ) -> None:
+        try:
+            outcome = rule_fn(kind, run.body, rule)
+        except Exception:  # a bug must cost the request this rule, not its answer
+            self._errors[name] += 1
+            run.skipped.append(Skip(name, "error"))
+            return
+        run.skipped += outcome.skipped
+        if outcome.body is run.body:
+            return
+        run.gains[name] = run.renders.rewrite_gain(run.body, outcome.body)
+        run.changes += outcome.changes
+        if rule.dry_run:
+            run.dry.append(name)
+            return
+        (run.dry if self.config.dry_run else run.fired).append(name)
+        run.body = outcome.body
+
+    def _relocate(self, run: _Run) -> None:
+        config = self.config
+        found = detect(stable_slots(run.body), self._detectors)
+        if not found:
+            return
+        enabled = [r for r in VOLATILE_RULES if r in self._detectors]
+        active = [r for r in enabled if not config.rule(r).dry_run]
+        ws = config.rule(WHITESPACE)
+        before = run.body
+
+        def relocate_spans(rules: list[str]) -> Relocation:
+            return relocate(
+                before,
+                resolve(found, rules),
+                VOLATILE_RULES,
+                placement=config.note_placement,
+                note_format=config.note_format,
+                normalise_note=ws.enabled and not ws.dry_run,
+            )
+
+        applied = relocate_spans(active)
+        run.skipped += applied.skipped
+        if applied.rules:
+            run.changes += applied.changes
+            run.gains.update(self._gains(run.renders, before, applied))
+            (run.dry if config.dry_run else run.fired).extend(applied.rules)
+            run.body = applied.body
+        if len(active) == len(enabled):
+            return
+        would = relocate_spans(enabled)
+        dry_rules = [r for r in would.rules if r not in active]
+        run.skipped += [s for s in would.skipped if s.rule not in active]
+        if dry_rules:
+            run.changes += [c for c in would.changes if c.rule in dry_rules]
+            gains = self._gains(run.renders, before, would)
+            run.gains.update({r: gains[r] for r in dry_rules})
+            run.dry += dry_rules
+            run.dry.sort(key=RULE_NAMES.index)
+
+    @staticmethod
+    def _gains(renders: Renders, before: dict[str, Any], reloc: Relocation) -> dict[str, int]:
+        note_at = renders.first_change(reloc.without_note, reloc.body)
+        gains: dict[str, int] = {}
+        for rule in reloc.rules:
+            if len(reloc.rules) == 1:
+                only = reloc.without_note
+            else:
+                only = replace(before, reloc.spans, reloc.placeholders, only_rule=rule)
+            gains[rule] = max(0, note_at - renders.first_change(before, only))
+        return gains

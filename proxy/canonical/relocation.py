@@ -1,0 +1,302 @@
+"""Volatile-span relocation: values that change on every request move out of the prefix.
+
+What the model sees
+-------------------
+A system prompt that embeds the current time, a session UUID or a request id differs on every
+request, and the backend's prefix cache stops at the first differing byte: the system prompt,
+the tools and the whole conversation after them are computed again each time. Relocation
+replaces each such value in the *stable segments* (the leading system/developer messages and
+the tool descriptions) by a placeholder, and restates the values in a short note placed next
+to the newest user message, so the model still has them. For example, the request::
+
+    system: "You are Aria, a scheduling assistant.\\n"
+            "Current date: Monday, November 30, 2026\\n"
+            "Session: 550e8400-e29b-41d4-a716-446655440000"
+    user:   "What is on my calendar today?"
+
+reaches the backend as::
+
+    system: "You are Aria, a scheduling assistant.\\n"
+            "Current date: [[date_1]]\\n"
+            "Session: [[uuid_1]]"
+    user:   "[[date_1]] = Monday, November 30, 2026\\n"
+            "[[uuid_1]] = 550e8400-e29b-41d4-a716-446655440000\\n"
+            "\\n"
+            "What is on my calendar today?"
+
+- A placeholder is ``[[<label>_<n>]]``; the label says what the value is (``date``,
+  ``datetime``, ``time``, ``epoch``, ``uuid``, ``id``, or a custom pattern's name) and ``n``
+  counts values of that label in order of first appearance (tools first, then the system
+  messages, as the prompt is rendered). The same value always gets the same placeholder.
+- The note has one line ``<placeholder> = <value>`` per placeholder, in that order, wrapped by
+  ``note_format`` (``{entries}`` is replaced by those lines; the default is the lines alone).
+- ``note_placement``:
+
+  - ``user_prefix`` (default): the note, then a blank line, then the newest user message's
+    text. When the content is a list of parts, the note (with the blank line) is a new text
+    part inserted first; the other parts are not changed.
+  - ``user_suffix``: the message's text, a blank line, then the note (a new last part for a
+    content list). It caches more: on the next turn the application resends this message
+    without the note, and the cache still covers the message's own text, which
+    ``user_prefix`` gives up. In an agent loop, where tool results follow the user message
+    on every request, the difference is the whole user message on every request.
+  - ``system_suffix``: a blank line and the note appended to the last leading system message.
+    The note then sits before the conversation: the system prompt and tools stay cached, but
+    a value that changes between turns (a clock time) invalidates the whole history. It
+    suits values that change rarely (the date) and are shared by all of a day's conversations.
+
+  When the request has no user message (or, for ``system_suffix``, no leading system message),
+  or that message's content is neither a string nor a list, nothing is relocated and the skip
+  is reported: a value must never disappear from what the model sees.
+
+Why only the newest user message: an application resends its own original messages on every
+turn, never the proxy's rewrite, so older user messages always arrive without a note and are
+left as they are; the note only ever goes to the newest one.
+
+Idempotence: placeholders are never detected as values, nor are note lines (a line starting
+``[[label_n]] = ``), so canonicalizing a canonical request changes nothing. A value never
+spans a line break.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from proxy.canonical.config import NotePlacement
+from proxy.canonical.detectors import Detector, Found, ascii_view
+from proxy.canonical.draft import Draft, Path, format_path
+from proxy.canonical.outcome import Change, Skip
+from proxy.canonical.slots import (
+    TextSlot,
+    leading_system_indexes,
+    newest_user_index,
+    system_slots,
+    tool_slots,
+)
+from proxy.canonical.whitespace import normalise
+
+PLACEHOLDER = re.compile(r"\[\[[a-z][a-z0-9_]*_[0-9]+\]\]")
+_NOTE_LINE = re.compile(r"^\[\[[a-z][a-z0-9_]*_[0-9]+\]\] = .*$", re.MULTILINE)
+NOTE_SEPARATOR = "\n\n"
+
+
+class SlotFinds(NamedTuple):
+    """The volatile values found in one text slot, overlaps resolved, in text order."""
+
+    slot: TextSlot
+    finds: tuple[Found, ...]
+
+
+def _protected(text: str) -> list[tuple[int, int]]:
+    """Ranges holding placeholders or note lines, which are never values."""
+    if "[[" not in text:
+        return []
+    return [m.span() for m in _NOTE_LINE.finditer(text)] + [
+        m.span() for m in PLACEHOLDER.finditer(text)
+    ]
+
+
+def stable_slots(body: dict[str, Any]) -> list[TextSlot]:
+    """The text slots of the stable segments, in rendered order: tools, then system prompts."""
+    return [*tool_slots(body), *system_slots(body, leading_only=True)]
+
+
+def detect(
+    slots: Sequence[TextSlot], detectors: Mapping[str, Sequence[Detector]]
+) -> list[tuple[TextSlot, list[Found]]]:
+    """Every value each detector finds in each slot, outside protected ranges (unresolved)."""
+    out: list[tuple[TextSlot, list[Found]]] = []
+    for slot in slots:
+        text = slot.text
+        view = ascii_view(text)
+        finds = [f for dets in detectors.values() for det in dets for f in det(text, view)]
+        if not finds:
+            continue
+        protected = _protected(text)
+        if protected:
+            finds = [f for f in finds if all(f.end <= lo or f.start >= hi for lo, hi in protected)]
+        if finds:
+            out.append((slot, finds))
+    return out
+
+
+def resolve(found: Iterable[tuple[TextSlot, list[Found]]], rules: Sequence[str]) -> list[SlotFinds]:
+    """Keep the finds of ``rules``; where two overlap, the earlier, then longer, then the one
+    whose rule comes first wins."""
+    rank = {rule: i for i, rule in enumerate(rules)}
+    out: list[SlotFinds] = []
+    for slot, finds in found:
+        kept: list[Found] = []
+        ordered = sorted(
+            (f for f in finds if f.rule in rank),
+            key=lambda f: (f.start, f.start - f.end, rank[f.rule]),
+        )
+        for f in ordered:
+            if not kept or f.start >= kept[-1].end:
+                kept.append(f)
+        if kept:
+            out.append(SlotFinds(slot, tuple(kept)))
+    return out
+
+
+def assign_placeholders(spans: Sequence[SlotFinds]) -> dict[tuple[str, str], str]:
+    """A placeholder for every (label, value), numbered per label by first appearance.
+
+    Numbers whose placeholder already appears in the prompt's own text are passed over.
+    """
+    taken = {m.group() for sf in spans for m in PLACEHOLDER.finditer(sf.slot.text)}
+    counters: dict[str, int] = {}
+    out: dict[tuple[str, str], str] = {}
+    for slot, finds in spans:
+        for f in finds:
+            key = (f.label, slot.text[f.start : f.end])
+            if key in out:
+                continue
+            n = counters.get(f.label, 0)
+            while True:
+                n += 1
+                placeholder = f"[[{f.label}_{n}]]"
+                if placeholder not in taken:
+                    break
+            counters[f.label] = n
+            out[key] = placeholder
+    return out
+
+
+def replace(
+    body: dict[str, Any],
+    spans: Sequence[SlotFinds],
+    placeholders: Mapping[tuple[str, str], str],
+    only_rule: str | None = None,
+) -> dict[str, Any]:
+    """``body`` with the values replaced by their placeholders (of one rule, if given)."""
+    draft = Draft(body)
+    for slot, finds in spans:
+        text = slot.text
+        pieces: list[str] = []
+        last = 0
+        for f in finds:
+            if only_rule is not None and f.rule != only_rule:
+                continue
+            pieces += (text[last : f.start], placeholders[f.label, text[f.start : f.end]])
+            last = f.end
+        if pieces:
+            pieces.append(text[last:])
+            draft.set(slot.path, "".join(pieces))
+    return draft.body
+
+
+@dataclass(frozen=True, slots=True)
+class NoteTarget:
+    """Where the note goes: a message's content, before or after its text."""
+
+    path: Path  # the message's content
+    content: str | list[Any]
+    prefix: bool
+
+
+def note_target(body: dict[str, Any], placement: NotePlacement) -> NoteTarget | str:
+    """Where ``placement`` puts the note in this request, or why it cannot go anywhere."""
+    if placement == "system_suffix":
+        indexes = leading_system_indexes(body)
+        if not indexes:
+            return "no_system_message"
+        index = indexes[-1]
+    else:
+        found = newest_user_index(body)
+        if found is None:
+            return "no_user_message"
+        index = found
+    content = body["messages"][index].get("content")
+    if not isinstance(content, str | list):
+        return "message_content_not_text"
+    return NoteTarget(("messages", index, "content"), content, placement == "user_prefix")
+
+
+def note_text(placeholders: Mapping[tuple[str, str], str], note_format: str) -> str:
+    """The note: one ``placeholder = value`` line per placeholder, wrapped by ``note_format``."""
+    entries = "\n".join(f"{ph} = {value}" for (_, value), ph in placeholders.items())
+    return note_format.replace("{entries}", entries)
+
+
+def place_note(body: dict[str, Any], target: NoteTarget, note: str) -> tuple[dict[str, Any], str]:
+    """``body`` with the note placed at ``target``, and the note's path."""
+    draft = Draft(body)
+    content = target.content
+    if isinstance(content, str):
+        if not content:
+            new: str | list[Any] = note
+        else:
+            new = (
+                note + NOTE_SEPARATOR + content
+                if target.prefix
+                else content + NOTE_SEPARATOR + note
+            )
+        path = target.path
+    else:
+        text = note + NOTE_SEPARATOR if target.prefix else NOTE_SEPARATOR + note
+        part = {"type": "text", "text": text}
+        new = [part, *content] if target.prefix else [*content, part]
+        path = (*target.path, 0 if target.prefix else len(content))
+    draft.set(target.path, new)
+    return draft.body, format_path(path)
+
+
+@dataclass(frozen=True, slots=True)
+class Relocation:
+    """The outcome of relocating one set of values."""
+
+    body: dict[str, Any]  # placeholders and note; the input object when nothing was done
+    without_note: dict[str, Any]  # placeholders only (for measuring where the note starts)
+    spans: tuple[SlotFinds, ...]
+    placeholders: Mapping[tuple[str, str], str]
+    changes: tuple[Change, ...]
+    skipped: tuple[Skip, ...]
+    rules: tuple[str, ...]  # the rules whose values were relocated, in pipeline order
+
+
+def relocate(
+    body: dict[str, Any],
+    spans: Sequence[SlotFinds],
+    rule_order: Sequence[str],
+    *,
+    placement: NotePlacement,
+    note_format: str,
+    normalise_note: bool,
+) -> Relocation:
+    """Replace the values of ``spans`` by placeholders and place the note, or skip entirely."""
+    rules = tuple(r for r in rule_order if any(f.rule == r for sf in spans for f in sf.finds))
+    if not rules:
+        return Relocation(body, body, (), {}, (), (), ())
+    target = note_target(body, placement)
+    if isinstance(target, str):
+        skipped = tuple(Skip(rule, target) for rule in rules)
+        return Relocation(body, body, (), {}, (), skipped, ())
+    placeholders = assign_placeholders(spans)
+    replaced = replace(body, spans, placeholders)
+    note = note_text(placeholders, note_format)
+    if normalise_note and placement == "system_suffix":
+        note = normalise(note, strip_end=True)[0]
+    # The target message may itself be a slot (system_suffix): take its rewritten content.
+    content = replaced["messages"][target.path[1]]["content"]
+    final, note_path = place_note(replaced, NoteTarget(target.path, content, target.prefix), note)
+    changes = [
+        Change(f.rule, format_path(slot.path), "placeholder", n)
+        for slot, finds in spans
+        for f, n in _counts(finds)
+    ]
+    changes += [Change(rule, note_path, "note", 1) for rule in rules]
+    return Relocation(final, replaced, tuple(spans), placeholders, tuple(changes), (), rules)
+
+
+def _counts(finds: Sequence[Found]) -> list[tuple[Found, int]]:
+    """The first find of each rule in a slot, with how many that rule has there."""
+    firsts: dict[str, Found] = {}
+    counts: dict[str, int] = {}
+    for f in finds:
+        firsts.setdefault(f.rule, f)
+        counts[f.rule] = counts.get(f.rule, 0) + 1
+    return [(firsts[r], counts[r]) for r in firsts]
