@@ -30,7 +30,7 @@ TOOLS: list[dict[str, Any]] = [
 ]
 BASE_SYSTEM = (
     "You are a coding agent working in a Python repository. Think step by step, call tools "
-    "when you need information, and keep answers short. " * 16
+    "when you need information, and keep answers short. " * 40
 )
 
 
