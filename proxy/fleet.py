@@ -77,8 +77,11 @@ class Fleet:
         replica.info = await dialect.describe(session, replica.url)
         replica.detected = True
         log.info(
-            "backend_detected", backend=replica.url, dialect=dialect.name,
-            slots=replica.info.slots, ctx_per_slot=replica.info.ctx_per_slot,
+            "backend_detected",
+            backend=replica.url,
+            dialect=dialect.name,
+            slots=replica.info.slots,
+            ctx_per_slot=replica.info.ctx_per_slot,
             model=replica.info.model,
         )
 

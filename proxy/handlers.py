@@ -63,9 +63,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     route = INFERENCE_PATHS[request.path]
     obs = Observation(t_start=request[T_START])
-    ex = Exchange(
-        request_id=request[REQUEST_ID], route=route, upstream_path=request.path, obs=obs
-    )
+    ex = Exchange(request_id=request[REQUEST_ID], route=route, upstream_path=request.path, obs=obs)
     ts = utc_now_iso()
     model: str | None = None
     view: PrefixView | None = None
@@ -95,7 +93,10 @@ async def inference(request: web.Request) -> web.StreamResponse:
         replica.in_flight += 1
         try:
             resp = await relay_inference(
-                request, state.session, ex, timeouts=state.settings.timeouts,
+                request,
+                state.session,
+                ex,
+                timeouts=state.settings.timeouts,
                 backend_api_key=state.settings.backend_api_key,
             )
         finally:
@@ -113,9 +114,16 @@ async def inference(request: web.Request) -> web.StreamResponse:
         if obs.t_end is None:
             obs.t_end = monotonic()
         record = state.builder.build(
-            obs, ts=ts, request_id=ex.request_id, route=request.path, model=model,
-            backend=ex.backend_url or None, dialect=ex.dialect.name if replica else None,
-            stream=ex.stream, status=ex.status or 500, error=ex.error,
+            obs,
+            ts=ts,
+            request_id=ex.request_id,
+            route=request.path,
+            model=model,
+            backend=ex.backend_url or None,
+            dialect=ex.dialect.name if replica else None,
+            stream=ex.stream,
+            status=ex.status or 500,
+            error=ex.error,
         )
         record.canonical_rules = fired
         if canonical is not None:
@@ -131,7 +139,9 @@ async def inference(request: web.Request) -> web.StreamResponse:
         if replica is not None:
             state.writer.spawn(
                 state.tracker.learn(
-                    record, view, replica=replica.url,
+                    record,
+                    view,
+                    replica=replica.url,
                     capacity_tokens=replica.capacity_tokens(state.settings.capacity_tokens),
                 )
             )
@@ -140,11 +150,17 @@ async def inference(request: web.Request) -> web.StreamResponse:
 async def passthrough(request: web.Request) -> web.StreamResponse:
     """Every other path: forwarded to the (first healthy) backend untouched."""
     state = request.app[STATE]
-    body = await read_body(request, state.settings.max_body_bytes) if request.can_read_body else None
+    body = (
+        await read_body(request, state.settings.max_body_bytes) if request.can_read_body else None
+    )
     replica = state.fleet.choose()
     return await relay_passthrough(
-        request, state.session, url=replica.url + request.path, body=body,
-        request_id=request[REQUEST_ID], timeouts=state.settings.timeouts,
+        request,
+        state.session,
+        url=replica.url + request.path,
+        body=body,
+        request_id=request[REQUEST_ID],
+        timeouts=state.settings.timeouts,
         backend_api_key=state.settings.backend_api_key,
     )
 
@@ -157,9 +173,7 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     """Readiness: at least one backend answers its health check."""
     state: ProxyState = request.app[STATE]
-    results = await asyncio.gather(
-        *(_backend_healthy(state, r.url) for r in state.fleet.replicas)
-    )
+    results = await asyncio.gather(*(_backend_healthy(state, r.url) for r in state.fleet.replicas))
     backends = {r.url: ok for r, ok in zip(state.fleet.replicas, results, strict=True)}
     ready = any(results)
     return web.json_response(

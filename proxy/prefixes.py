@@ -119,7 +119,9 @@ class PrefixTracker:
                 )
         namespace = view.namespace if view is not None else DEFAULT_NAMESPACE
         sample = StatsSample.from_record(
-            record, namespace=namespace, ts=time.time(),
+            record,
+            namespace=namespace,
+            ts=time.time(),
             prefix_label=label if self._labels else None,
         )
         await self.store.add_stats(sample)

@@ -250,10 +250,10 @@ class RecordWriter:
         except Exception:
             self._log.exception("record_sink_failed")
 
-    async def drain(self, timeout: float = 5.0) -> None:
+    async def drain(self, limit_s: float = 5.0) -> None:
         """Wait (bounded) for background sink work, e.g. at shutdown or in tests."""
         if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=timeout)
+            await asyncio.wait(list(self._tasks), timeout=limit_s)
 
     @property
     def pending(self) -> Sequence[asyncio.Task[None]]:

@@ -53,7 +53,9 @@ class Exchange:
 def upstream_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
     """Connect and between-bytes limits; never a total limit (streams may run for minutes)."""
     return aiohttp.ClientTimeout(
-        total=None, connect=timeouts.connect, sock_connect=timeouts.connect,
+        total=None,
+        connect=timeouts.connect,
+        sock_connect=timeouts.connect,
         sock_read=timeouts.idle,
     )
 
@@ -77,15 +79,23 @@ async def open_upstream(
     try:
         try:
             return await session.request(
-                request.method, url, data=body, headers=headers,
-                timeout=upstream_timeout(timeouts), allow_redirects=False,
+                request.method,
+                url,
+                data=body,
+                headers=headers,
+                timeout=upstream_timeout(timeouts),
+                allow_redirects=False,
             )
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
             # A pooled keep-alive connection the backend had already closed (llama-server
             # closes idle ones): nothing was answered, so one retry on a new connection is safe.
             return await session.request(
-                request.method, url, data=body, headers=headers,
-                timeout=upstream_timeout(timeouts), allow_redirects=False,
+                request.method,
+                url,
+                data=body,
+                headers=headers,
+                timeout=upstream_timeout(timeouts),
+                allow_redirects=False,
             )
     except TimeoutError as exc:
         raise BackendTimeout(f"backend did not answer in time: {url}") from exc
@@ -104,8 +114,13 @@ async def relay_inference(
     """Forward one inference request and relay the answer, observing it into ``ex.obs``."""
     ex.obs.t_forward = monotonic()
     upstream = await open_upstream(
-        session, request, url=ex.backend_url + ex.upstream_path, body=ex.upstream_body,
-        request_id=ex.request_id, timeouts=timeouts, backend_api_key=backend_api_key,
+        session,
+        request,
+        url=ex.backend_url + ex.upstream_path,
+        body=ex.upstream_body,
+        request_id=ex.request_id,
+        timeouts=timeouts,
+        backend_api_key=backend_api_key,
     )
     async with upstream:
         ex.status = upstream.status
@@ -136,7 +151,8 @@ async def _relay_whole(
     elif upstream.status >= 400:
         ex.error = "upstream_error"
     resp = web.Response(
-        status=upstream.status, body=payload,
+        status=upstream.status,
+        body=payload,
         headers=downstream_response_headers(upstream.headers),
     )
     resp.headers["X-Request-Id"] = ex.request_id
@@ -294,7 +310,12 @@ async def relay_passthrough(
 ) -> web.StreamResponse:
     """Any other path: forwarded as is, the answer streamed back chunk by chunk."""
     upstream = await open_upstream(
-        session, request, url=url, body=body, request_id=request_id, timeouts=timeouts,
+        session,
+        request,
+        url=url,
+        body=body,
+        request_id=request_id,
+        timeouts=timeouts,
         backend_api_key=backend_api_key,
     )
     async with upstream:

@@ -44,8 +44,9 @@ async def detect_dialect(session: aiohttp.ClientSession, base_url: str) -> Diale
     if isinstance(version, Mapping) and "version" in version:
         return VllmDialect()
     try:
-        async with session.get(base_url + "/v1/models",
-                               timeout=aiohttp.ClientTimeout(total=3)) as resp:
+        async with session.get(
+            base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=3)
+        ) as resp:
             await resp.read()
     except (aiohttp.ClientError, TimeoutError):
         return None

@@ -89,10 +89,10 @@ class LlamaCppDialect(Dialect):
         )
 
 
-async def fetch_json(session: aiohttp.ClientSession, url: str, timeout: float = 3.0) -> Any:
+async def fetch_json(session: aiohttp.ClientSession, url: str, limit_s: float = 3.0) -> Any:
     """GET ``url`` and decode JSON; None on any failure (start-up probing must not raise)."""
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=limit_s)) as resp:
             if resp.status != 200:
                 return None
             return await resp.json(content_type=None)

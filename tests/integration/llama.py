@@ -54,9 +54,24 @@ def running_llama_server(*, slots: int = 2, ctx: int = 8192) -> Iterator[str]:
     port = free_port()
     log = open(os.environ.get("LLAMA_SERVER_LOG", os.devnull), "ab")  # noqa: SIM115
     proc = subprocess.Popen(
-        [llama_server_binary(), "-m", smollm2_model(), "--host", "127.0.0.1",
-         "--port", str(port), "-c", str(ctx), "-np", str(slots), "-t", "2", "--metrics"],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            llama_server_binary(),
+            "-m",
+            smollm2_model(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-c",
+            str(ctx),
+            "-np",
+            str(slots),
+            "-t",
+            "2",
+            "--metrics",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -20,12 +20,21 @@ pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
 
 TURNS = 20
 TOOLS: list[dict[str, Any]] = [
-    {"type": "function", "function": {
-        "name": name, "description": f"{name.replace('_', ' ').capitalize()} in the workspace.",
-        "parameters": {"type": "object", "properties": {
-            "path": {"type": "string", "description": "file path"},
-            "limit": {"type": "integer", "description": "max results"}},
-            "required": ["path"]}}}
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name.replace('_', ' ').capitalize()} in the workspace.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string", "description": "file path"},
+                    "limit": {"type": "integer", "description": "max results"},
+                },
+                "required": ["path"],
+            },
+        },
+    }
     for name in ("read_file", "write_file", "list_dir", "search_code", "run_tests")
 ]
 BASE_SYSTEM = (
@@ -65,9 +74,14 @@ async def _agent_loop(llama_url: str, *, canonicalize: bool, seed: int) -> list[
                 tools = _shuffled(TOOLS, rng)
                 rng.shuffle(tools)
                 messages.append({"role": "user", "content": f"Step {turn}: what next?"})
-                body = {"model": "smollm2", "temperature": 0, "max_tokens": 6, "stream": True,
-                        "tools": tools,
-                        "messages": [{"role": "system", "content": system}, *messages]}
+                body = {
+                    "model": "smollm2",
+                    "temperature": 0,
+                    "max_tokens": 6,
+                    "stream": True,
+                    "tools": tools,
+                    "messages": [{"role": "system", "content": system}, *messages],
+                }
                 async with s.post(server.make_url("/v1/chat/completions"), json=body) as r:
                     assert r.status == 200, await r.text()
                     text = []
@@ -98,9 +112,11 @@ async def test_agent_loop_cache_share_with_and_without_canonicalizer(llama_url: 
     on = await _agent_loop(llama_url, canonicalize=True, seed=2)
     share_off, ttft_off = _summary(off)
     share_on, ttft_on = _summary(on)
-    print(f"\ncanonicalizer off: cached share {share_off:.1%}, mean TTFT {ttft_off:.0f} ms"
-          f"\ncanonicalizer on:  cached share {share_on:.1%}, mean TTFT {ttft_on:.0f} ms"
-          f"\nrules fired: {sorted({n for r in on for n in r.canonical_rules})}")
+    print(
+        f"\ncanonicalizer off: cached share {share_off:.1%}, mean TTFT {ttft_off:.0f} ms"
+        f"\ncanonicalizer on:  cached share {share_on:.1%}, mean TTFT {ttft_on:.0f} ms"
+        f"\nrules fired: {sorted({n for r in on for n in r.canonical_rules})}"
+    )
     assert all(r.status == 200 for r in off + on)
     assert share_on >= 0.90
     assert share_off < 0.30

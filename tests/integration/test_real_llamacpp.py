@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 from collections.abc import AsyncIterator
 
+import pytest
 from openai import AsyncOpenAI
 
 from tests.integration.conftest import RunningProxy
@@ -33,8 +33,10 @@ async def oai(real_proxy: RunningProxy) -> AsyncIterator[AsyncOpenAI]:
 async def test_sdk_non_streaming_through_proxy(real_proxy: RunningProxy, oai: AsyncOpenAI) -> None:
     """A plain SDK chat call works through the proxy and is recorded with reported cache use."""
     resp = await oai.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "Say hello."}],
-        max_tokens=8, temperature=0,
+        model="smollm2",
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0,
     )
     assert resp.choices[0].message.content
     assert resp.usage is not None and resp.usage.prompt_tokens > 0
@@ -47,11 +49,16 @@ async def test_sdk_non_streaming_through_proxy(real_proxy: RunningProxy, oai: As
     assert rec.backend_prefill_ms is not None and rec.ttft_ms is not None
 
 
-async def test_sdk_streaming_without_usage_sees_no_usage_chunk(real_proxy: RunningProxy, oai: AsyncOpenAI) -> None:
+async def test_sdk_streaming_without_usage_sees_no_usage_chunk(
+    real_proxy: RunningProxy, oai: AsyncOpenAI
+) -> None:
     """A streaming SDK client that did not ask for usage gets none, yet the record has it."""
     stream = await oai.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "Count to five."}],
-        max_tokens=12, temperature=0, stream=True,
+        model="smollm2",
+        messages=[{"role": "user", "content": "Count to five."}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
     )
     chunks = [c async for c in stream]
     assert chunks and all(c.choices for c in chunks)
@@ -66,11 +73,17 @@ async def test_sdk_streaming_without_usage_sees_no_usage_chunk(real_proxy: Runni
     assert rec.timing_source == "observed"
 
 
-async def test_sdk_streaming_with_usage_gets_cached_tokens(real_proxy: RunningProxy, oai: AsyncOpenAI) -> None:
+async def test_sdk_streaming_with_usage_gets_cached_tokens(
+    real_proxy: RunningProxy, oai: AsyncOpenAI
+) -> None:
     """A client that asks for usage receives the usage chunk with cached token details."""
     stream = await oai.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "Name a color."}],
-        max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True},
+        model="smollm2",
+        messages=[{"role": "user", "content": "Name a color."}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = [c async for c in stream]
     usage = [c.usage for c in chunks if c.usage is not None]
@@ -79,14 +92,17 @@ async def test_sdk_streaming_with_usage_gets_cached_tokens(real_proxy: RunningPr
     assert usage[0].prompt_tokens_details.cached_tokens is not None
 
 
-async def test_shared_system_prompt_second_request_hits_cache(real_proxy: RunningProxy, oai: AsyncOpenAI) -> None:
+async def test_shared_system_prompt_second_request_hits_cache(
+    real_proxy: RunningProxy, oai: AsyncOpenAI
+) -> None:
     """The second of two requests sharing a long system prompt is served mostly from cache."""
     for question in ("Can I return boots?", "Are exchanges free?"):
         stream = await oai.chat.completions.create(
             model="smollm2",
-            messages=[{"role": "system", "content": SYSTEM},
-                      {"role": "user", "content": question}],
-            max_tokens=4, temperature=0, stream=True,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            max_tokens=4,
+            temperature=0,
+            stream=True,
         )
         async for _ in stream:
             pass
@@ -121,14 +137,22 @@ async def test_multi_turn_predicted_and_measured_hit_rates_agree(
 ) -> None:
     """Over a multi-turn conversation the index's predicted hit rate tracks the measured one."""
     messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM[:1500]}]
-    questions = ["Hi there.", "What is policy 3?", "And policy 4?", "Thanks. Policy 7?",
-                 "What about receipts?", "Bye."]
+    questions = [
+        "Hi there.",
+        "What is policy 3?",
+        "And policy 4?",
+        "Thanks. Policy 7?",
+        "What about receipts?",
+        "Bye.",
+    ]
     first = len(real_proxy.records)
     for q in questions:
         messages.append({"role": "user", "content": q})
         resp = await oai.chat.completions.create(
-            model="smollm2", messages=messages,  # type: ignore[arg-type]
-            max_tokens=12, temperature=0,
+            model="smollm2",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=12,
+            temperature=0,
         )
         messages.append({"role": "assistant", "content": resp.choices[0].message.content or ""})
     await real_proxy.writer.drain()
@@ -141,7 +165,9 @@ async def test_multi_turn_predicted_and_measured_hit_rates_agree(
         measured = rec.cached_tokens / rec.prompt_tokens
         predicted = rec.predicted_cached_tokens / rec.prompt_tokens
         diffs.append(abs(measured - predicted))
-        print(f"\nturn prompt={rec.prompt_tokens} measured={measured:.3f} predicted={predicted:.3f}")
+        print(
+            f"\nturn prompt={rec.prompt_tokens} measured={measured:.3f} predicted={predicted:.3f}"
+        )
     mae = sum(diffs) / len(diffs)
     print(f"\nmean absolute difference predicted vs measured hit rate: {mae:.3f}")
     assert mae < 0.15

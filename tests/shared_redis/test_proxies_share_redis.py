@@ -1,4 +1,4 @@
-"""Several proxies sharing one Redis: shared prefix knowledge, and Redis failures never fail traffic."""
+"""Proxies sharing one Redis: shared prefix knowledge; Redis failures never fail traffic."""
 
 from __future__ import annotations
 
@@ -26,13 +26,24 @@ async def _chat(request: web.Request) -> web.Response:
     body = await request.json()
     await asyncio.sleep(0.01)
     n = len(str(body.get("messages"))) // 4
-    return web.json_response({
-        "object": "chat.completion",
-        "choices": [{"index": 0, "finish_reason": "stop",
-                     "message": {"role": "assistant", "content": "ok"}}],
-        "usage": {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1,
-                  "prompt_tokens_details": {"cached_tokens": 0}},
-    })
+    return web.json_response(
+        {
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": "ok"},
+                }
+            ],
+            "usage": {
+                "prompt_tokens": n,
+                "completion_tokens": 1,
+                "total_tokens": n + 1,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
+        }
+    )
 
 
 @pytest.fixture
@@ -73,8 +84,10 @@ async def start_proxy() -> AsyncIterator[Callable[[str, str], Awaitable[Proxy]]]
 
 
 def _body(question: str) -> dict[str, object]:
-    return {"model": "m", "messages": [{"role": "system", "content": SYSTEM},
-                                       {"role": "user", "content": question}]}
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+    }
 
 
 async def test_two_proxies_see_each_others_prefixes(
