@@ -32,8 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     # The analyzer is an offline tool; proxy/ only hands it the command line.
     from analyzers.cli import add_analyze_parser
+    from analyzers.quality import add_quality_parser
 
     add_analyze_parser(sub)
+    add_quality_parser(sub)
     return parser
 
 
@@ -68,6 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "quality":
+        from analyzers.quality import run_quality
+
+        return run_quality(args)
     from analyzers.cli import run_analyze
 
     return run_analyze(args)
