@@ -174,6 +174,12 @@ class CanonicalConfig:
             raise ConfigError(f"note_placement must be one of {', '.join(NOTE_PLACEMENTS)}")
         if "{entries}" not in self.note_format:
             raise ConfigError("note_format must contain {entries}")
+        if self.note_placement == "system_suffix" and not (
+            self.note_format.startswith("{entries}") or "\n{entries}" in self.note_format
+        ):
+            # In a system message the note's lines are recognised by their start, which keeps
+            # the values in them from being detected again on the next pass.
+            raise ConfigError("with system_suffix, {entries} must start a line of note_format")
 
     def rule(self, name: str) -> RuleConfig:
         """The settings of one rule."""

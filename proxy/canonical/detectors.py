@@ -71,10 +71,12 @@ _ISO = (
     rf"(?:[T ](?:[01]{_D}|2[0-3]):[0-5]{_D}(?:{_SECONDS})?"
     rf"(?:Z|[+-](?:[01]{_D}|2[0-3])(?::?[0-5]{_D})?| ?UTC)?)?(?![0-9])"
 )
-_DAY_FIRST = rf"(?<![0-9A-Za-z])(?:{_WEEKDAY},? )?{_DAY} (?:of )?{_MONTH},? {_YEAR}{_THEN_CLOCK}"
+_DAY_FIRST = (
+    rf"(?<![0-9A-Za-z])(?:{_WEEKDAY},? )?{_DAY} (?:of )?{_MONTH},? {_YEAR}(?![0-9]){_THEN_CLOCK}"
+)
 _MONTH_FIRST = (
-    rf"(?<![0-9A-Za-z])(?:{_WEEKDAY},? )?{_MONTH} {_DAY},? {_YEAR}{_THEN_CLOCK}"
-    rf"|(?<![0-9A-Za-z]){_WEEKDAY} {_MONTH} {{1,2}}{_DAY} {_CLOCK} {_YEAR}"
+    rf"(?<![0-9A-Za-z])(?:{_WEEKDAY},? )?{_MONTH} {_DAY},? {_YEAR}(?![0-9]){_THEN_CLOCK}"
+    rf"|(?<![0-9A-Za-z]){_WEEKDAY} {_MONTH} {{1,2}}{_DAY} {_CLOCK} {_YEAR}(?![0-9])"
 )
 _NUMERIC = (
     r"(?<![0-9./-])(?:[12][0-9]|3[01]|0?[1-9])(?P<sep>[/.])(?:[12][0-9]|3[01]|0?[1-9])(?P=sep)"
@@ -85,28 +87,17 @@ _TIME = (
     rf"|(?:1[0-2]|0?[1-9]):[0-5]{_D}{_AMPM})(?:{_ZONE})?(?![0-9:])"
 )
 _BARE_TIME = rf"(?<![0-9:.])(?:[01]?{_D}|2[0-3]):[0-5]{_D}(?![0-9:])"
-_EPOCH_KEYWORD = (
-    r"(?i:\b(?:unix time(?:stamp)?|timestamp|time|epoch|now|ts)\b)"
-    rf"[ \t]*(?:[:=]|is)?[ \t]*(?P<epoch>1{_D}{{9}}(?:{_D}{{3}})?(?:\.{_D}{{1,6}})?)(?![0-9.])"
+
+
+_P_ISO = re.compile(_ISO)
+_P_LONG = re.compile(f"{_DAY_FIRST}|{_MONTH_FIRST}")
+_P_NUMERIC = re.compile(_NUMERIC)
+_P_TIME = re.compile(_TIME)
+_P_BARE_TIME = re.compile(_BARE_TIME)
+_P_EPOCH = re.compile(rf"(?<![0-9.])1{_D}{{9}}(?:{_D}{{3}})?(?:\.{_D}{{1,6}})?(?!\.?[0-9])")
+_P_EPOCH_KEYWORD = re.compile(
+    r"(?i:\b(?:unix time(?:stamp)?|timestamp|time|epoch|now|ts)\b)[ \t]*(?:[:=]|is)?[ \t]*\Z"
 )
-_BARE_EPOCH = rf"(?<![0-9.])(?P<bare_epoch>1{_D}{{9}}(?:{_D}{{3}})?)(?![0-9.])"
-
-
-def _timestamp_pattern(*, bare_times: bool, bare_epochs: bool) -> re.Pattern[str]:
-    parts = [
-        f"(?P<iso>{_ISO})",
-        f"(?P<long>{_DAY_FIRST}|{_MONTH_FIRST})",
-        f"(?P<numeric>{_NUMERIC})",
-        f"(?P<time>{_TIME})",
-        f"(?P<keyword>{_EPOCH_KEYWORD})",
-    ]
-    if bare_times:
-        parts.append(f"(?P<bare_time>{_BARE_TIME})")
-    if bare_epochs:
-        parts.append(f"(?P<bare>{_BARE_EPOCH})")
-    return re.compile("|".join(parts))
-
-
 _UUID_TAIL = re.compile(  # from the first dash: a literal prefix, which re searches fast
     r"-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}(?![0-9A-Za-z])"
 )
@@ -114,73 +105,122 @@ _HEX_CHARS = frozenset("0123456789abcdefABCDEF")
 _ALNUM = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
 
-def _table(groups: dict[bytes, bytes]) -> bytes:
-    table = bytearray(range(256))
+def _table(keep: bytes, groups: dict[bytes, int], other: int) -> bytes:
+    """A ``bytes.translate`` table: ``keep`` as is, each group to one byte, the rest ``other``."""
+    table = bytearray([other] * 256)
+    for c in keep:
+        table[c] = c
     for chars, to in groups.items():
         for c in chars:
-            table[c] = to[0]
+            table[c] = to
     return bytes(table)
 
 
-# Scanning a prompt with the full patterns costs Python's regex engine 10-20 ns a character.
-# Instead, the ASCII view of the text (one byte per character, "?" for anything else) is
-# mapped to character classes with bytes.translate, and literal anchors that every match
-# must contain are found by substring search; the full pattern then runs only around them.
-_DIGIT_CLASS = _table({b"0123456789": b"0"})
+# The digit-class view: digits become "0", date and time separators stay, the rest is "~".
+_DIGIT_CLASS = _table(b"-:/., ", {b"0123456789": 0x30}, 0x7E)
+# The hex-class view: hex digits become "h", other word characters "w", the rest " ".
 _HEX_CLASS = _table(
-    {
-        b"0123456789abcdefABCDEF": b"h",
-        b"ghijklmnopqrstuvwxyzGHIJKLMNOPQRSTUVWXYZ_": b"w",
-    }
+    b"",
+    {b"0123456789abcdefABCDEF": 0x68, b"ghijklmnopqrstuvwxyzGHIJKLMNOPQRSTUVWXYZ_": 0x77},
+    0x20,
 )
-# Every timestamp holds one of these (in the digit-class view) within 40 characters of its
-# start and 24 of its end: a date's dashes, a clock's colon, a slash or dotted date, a year
-# after a space or comma, an epoch's ten digits.
-_TIMESTAMP_ANCHORS = (b"-00-", b":00", b"0/", b".0000", b" 0000", b",0000", b"0" * 10)
-_BEFORE, _AFTER = 40, 48
+# Every timestamp holds one of these anchors; each match is the anchor's first digit (a
+# literal prefix, which the regex engine searches fast) and names the anchor it starts.
+_ANCHORS = re.compile(
+    rb"0(?=(?P<epoch>0{9})|(?P<iso>000-00-)|(?P<clock>:00)|(?P<slash>/)"
+    rb"|(?P<dots>\.00?\.0000)|(?P<year>000(?<=[ ,]0000)))"
+)
+_WORD = re.compile(r"[0-9A-Za-z]+")
+_LONG_REACH = 40  # characters a long date may start before its year
 
 
-def _windows(view: bytes, anchors: tuple[bytes, ...]) -> list[tuple[int, int]]:
-    """Merged ``[lo, hi)`` windows around every anchor occurrence."""
-    hits: list[int] = []
-    for anchor in anchors:
-        at = view.find(anchor)
-        while at >= 0:
-            hits.append(at)
-            at = view.find(anchor, at + 1)
-    if not hits:
-        return []
-    hits.sort()
-    out: list[tuple[int, int]] = []
-    for at in hits:
-        lo, hi = max(0, at - _BEFORE), min(len(view), at + _AFTER)
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
+def _run_start(view: bytes, end: int) -> int:
+    """Start of the run of digits that ends at ``end`` in the digit-class view."""
+    while end > 0 and view[end - 1] == 0x30:
+        end -= 1
+    return end
+
+
+class _Timestamps:
+    """The ``volatile_timestamps`` detector, driven by anchors.
+
+    Running the full patterns over a prompt costs Python's regex engine 10-20 ns a
+    character. Instead the ASCII view is mapped to a digit-class view by ``bytes.translate``
+    and one literal-prefixed regex finds the anchors every timestamp holds: a date's
+    ``0000-00-``, a clock's ``0:00``, a numeric date's ``0/`` or ``.00.0000``, a year after a
+    space or comma, an epoch's ten digits. Each anchor says where its timestamp can start,
+    and only there is the full pattern tried.
+    """
+
+    def __init__(self, *, bare_times: bool, bare_epochs: bool) -> None:
+        self.bare_times = bare_times
+        self.bare_epochs = bare_epochs
+
+    def __call__(self, text: str, view: bytes) -> Iterator[Found]:
+        digits = view.translate(_DIGIT_CLASS)
+        finds: list[Found] = []
+        for anchor in _ANCHORS.finditer(digits):
+            at = anchor.start()
+            kind = anchor.lastgroup
+            if kind == "iso":
+                found = self._dated(_P_ISO.match(text, at))
+            elif kind == "clock":
+                found = self._clock(text, _run_start(digits, at + 1))
+            elif kind == "slash":
+                found = self._dated(_P_NUMERIC.match(text, _run_start(digits, at + 1)))
+            elif kind == "dots":
+                found = self._dots(text, at)
+            elif kind == "year":
+                found = self._long(text, at)
+            else:
+                found = self._epoch(text, digits, at)
+            if found is not None:
+                finds.append(found)
+        finds.sort(key=lambda f: (f.start, f.start - f.end))
+        end = -1
+        for found in finds:  # the same timestamp is often reached from two anchors
+            if found.start >= end:
+                end = found.end
+                yield found
+
+    @staticmethod
+    def _dated(m: re.Match[str] | None) -> Found | None:
+        if m is None:
+            return None
+        label = "datetime" if ":" in m.group() else "date"
+        return Found(m.start(), m.end(), label, VOLATILE_TIMESTAMPS)
+
+    def _dots(self, text: str, at: int) -> Found | None:
+        for start in (at - 1, at):  # dd.mm.yyyy or d.mm.yyyy
+            if start >= 0 and (m := _P_NUMERIC.match(text, start)) is not None:
+                return self._dated(m)
+        return None
+
+    def _long(self, text: str, at: int) -> Found | None:
+        for word in _WORD.finditer(text, max(0, at - _LONG_REACH), at + 1):
+            m = _P_LONG.match(text, word.start())
+            if m is not None and m.end() > at:
+                return self._dated(m)
+        return None
+
+    def _clock(self, text: str, start: int) -> Found | None:
+        m = _P_TIME.match(text, start)
+        if m is None and self.bare_times:
+            m = _P_BARE_TIME.match(text, start)
+        return None if m is None else Found(m.start(), m.end(), "time", VOLATILE_TIMESTAMPS)
+
+    def _epoch(self, text: str, digits: bytes, at: int) -> Found | None:
+        if at and digits[at - 1] == 0x30:
+            return None  # inside a longer run, already tried from its start
+        m = _P_EPOCH.match(text, at)
+        if m is None:
+            return None
+        if not self.bare_epochs and not _P_EPOCH_KEYWORD.search(text, max(0, at - 40), at):
+            return None
+        return Found(m.start(), m.end(), "epoch", VOLATILE_TIMESTAMPS)
 
 
 Detector = Callable[[str, bytes], Iterator[Found]]
-
-
-def _timestamps(pattern: re.Pattern[str]) -> Detector:
-    def find(text: str, view: bytes) -> Iterator[Found]:
-        for lo, hi in _windows(view.translate(_DIGIT_CLASS), _TIMESTAMP_ANCHORS):
-            for m in pattern.finditer(text, lo, hi):
-                kind = m.lastgroup
-                if kind == "keyword":
-                    start, end = m.span("epoch")
-                    yield Found(start, end, "epoch", VOLATILE_TIMESTAMPS)
-                elif kind == "bare":
-                    yield Found(m.start(), m.end(), "epoch", VOLATILE_TIMESTAMPS)
-                elif kind in ("time", "bare_time"):
-                    yield Found(m.start(), m.end(), "time", VOLATILE_TIMESTAMPS)
-                else:
-                    label = "datetime" if ":" in m.group() else "date"
-                    yield Found(m.start(), m.end(), label, VOLATILE_TIMESTAMPS)
-
-    return find
 
 
 def _uuids(text: str, view: bytes) -> Iterator[Found]:
@@ -228,10 +268,9 @@ def build_detectors(config: CanonicalConfig) -> dict[str, list[Detector]]:
     out: dict[str, list[Detector]] = {}
     rule = config.rule(VOLATILE_TIMESTAMPS)
     if rule.enabled:
-        pattern = _timestamp_pattern(
-            bare_times=rule.flag("bare_times"), bare_epochs=rule.flag("bare_epochs")
-        )
-        out[VOLATILE_TIMESTAMPS] = [_timestamps(pattern)]
+        out[VOLATILE_TIMESTAMPS] = [
+            _Timestamps(bare_times=rule.flag("bare_times"), bare_epochs=rule.flag("bare_epochs"))
+        ]
     if config.rule(VOLATILE_UUIDS).enabled:
         out[VOLATILE_UUIDS] = [_uuids]
     rule = config.rule(VOLATILE_HEX_IDS)

@@ -28,8 +28,9 @@ rule is reported skipped (reason ``error``) and the request goes on without it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from types import MappingProxyType
 from typing import Any
 
@@ -42,12 +43,21 @@ from proxy.canonical.config import (
     RuleConfig,
 )
 from proxy.canonical.detectors import build_detectors
-from proxy.canonical.gain import Renders
+from proxy.canonical.gain import GainMeter
 from proxy.canonical.outcome import Change, RuleOutcome, Skip
-from proxy.canonical.relocation import Relocation, detect, relocate, replace, resolve, stable_slots
+from proxy.canonical.relocation import (
+    DetectionCache,
+    Relocation,
+    detect,
+    placeholders_in,
+    relocate,
+    replace,
+    settle,
+    stable_slots,
+)
 from proxy.canonical.stable_json import stable_json
 from proxy.canonical.whitespace import whitespace
-from proxy.fingerprint import CHAT_ROUTES, COMPLETION_ROUTES
+from proxy.fingerprint import CHAT_ROUTES, COMPLETION_ROUTES, Segment
 
 RewriteRule = Callable[[str, dict[str, Any], RuleConfig], RuleOutcome]
 REWRITE_RULES: tuple[tuple[str, RewriteRule], ...] = (
@@ -80,22 +90,35 @@ class CanonicalResult:
     body: dict[str, Any]
     fired: tuple[str, ...] = ()
     dry_run_fired: tuple[str, ...] = ()
-    stable_bytes_gained: dict[str, int] = field(default_factory=dict)
     changes: tuple[Change, ...] = ()
     skipped: tuple[Skip, ...] = ()
+    meter: GainMeter | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def stable_bytes_gained(self) -> dict[str, int]:
+        """Rendered-prompt bytes each fired (or dry-run fired) rule made stable; measured on
+        first use (a render of the prompt), so use it off the critical path."""
+        return self.measure_gains()
+
+    def measure_gains(
+        self, segments: Sequence[Segment] | None = None, total_bytes: int = 0
+    ) -> dict[str, int]:
+        """``stable_bytes_gained``, reusing the forwarded prompt's layout when the caller has
+        it (``Fingerprint.segments`` and ``Fingerprint.total_bytes`` of ``body``), which saves
+        rendering the prompt again. The first call's answer is kept."""
+        return {} if self.meter is None else self.meter.measured(segments, total_bytes)
 
 
 class _Run:
     """The state of one ``apply`` call."""
 
-    __slots__ = ("body", "changes", "dry", "fired", "gains", "renders", "skipped")
+    __slots__ = ("body", "changes", "dry", "fired", "meter", "skipped")
 
     def __init__(self, route: str, body: dict[str, Any]) -> None:
         self.body = body
-        self.renders = Renders(route)
+        self.meter = GainMeter(route)
         self.fired: list[str] = []
         self.dry: list[str] = []
-        self.gains: dict[str, int] = {}
         self.changes: list[Change] = []
         self.skipped: list[Skip] = []
 
@@ -106,6 +129,7 @@ class Canonicalizer:
     def __init__(self, config: CanonicalConfig | None = None) -> None:
         self.config = config if config is not None else CanonicalConfig()
         self._detectors = build_detectors(self.config)
+        self._detection_cache = DetectionCache()
         self._fired = dict.fromkeys(RULE_NAMES, 0)
         self._dry = dict.fromkeys(RULE_NAMES, 0)
         self._skipped = dict.fromkeys(RULE_NAMES, 0)
@@ -155,13 +179,14 @@ class Canonicalizer:
             self._dry[name] += 1
         for name in {s.rule for s in run.skipped}:
             self._skipped[name] += 1
+        run.meter.finish(run.body, forwarded=not config.dry_run)
         return CanonicalResult(
             body=body if config.dry_run else run.body,
             fired=tuple(run.fired),
             dry_run_fired=tuple(run.dry),
-            stable_bytes_gained=run.gains,
             changes=tuple(run.changes),
             skipped=tuple(run.skipped),
+            meter=run.meter if run.fired or run.dry else None,
         )
 
     def _rewrite(
@@ -176,7 +201,7 @@ class Canonicalizer:
         run.skipped += outcome.skipped
         if outcome.body is run.body:
             return
-        run.gains[name] = run.renders.rewrite_gain(run.body, outcome.body)
+        run.meter.rewrite(name, run.body, outcome.body)
         run.changes += outcome.changes
         if rule.dry_run:
             run.dry.append(name)
@@ -186,9 +211,11 @@ class Canonicalizer:
 
     def _relocate(self, run: _Run) -> None:
         config = self.config
-        found = detect(stable_slots(run.body), self._detectors)
+        slots = stable_slots(run.body)
+        found = detect(slots, self._detectors, self._detection_cache)
         if not found:
             return
+        taken = placeholders_in(slots)
         enabled = [r for r in VOLATILE_RULES if r in self._detectors]
         active = [r for r in enabled if not config.rule(r).dry_run]
         ws = config.rule(WHITESPACE)
@@ -197,18 +224,19 @@ class Canonicalizer:
         def relocate_spans(rules: list[str]) -> Relocation:
             return relocate(
                 before,
-                resolve(found, rules),
+                settle(found, rules, self._detectors, self._detection_cache),
                 VOLATILE_RULES,
                 placement=config.note_placement,
                 note_format=config.note_format,
                 normalise_note=ws.enabled and not ws.dry_run,
+                taken=taken,
             )
 
         applied = relocate_spans(active)
         run.skipped += applied.skipped
         if applied.rules:
             run.changes += applied.changes
-            run.gains.update(self._gains(run.renders, before, applied))
+            self._measure(run.meter, before, applied, applied.rules)
             (run.dry if config.dry_run else run.fired).extend(applied.rules)
             run.body = applied.body
         if len(active) == len(enabled):
@@ -218,19 +246,23 @@ class Canonicalizer:
         run.skipped += [s for s in would.skipped if s.rule not in active]
         if dry_rules:
             run.changes += [c for c in would.changes if c.rule in dry_rules]
-            gains = self._gains(run.renders, before, would)
-            run.gains.update({r: gains[r] for r in dry_rules})
+            self._measure(run.meter, before, would, dry_rules)
             run.dry += dry_rules
             run.dry.sort(key=RULE_NAMES.index)
 
     @staticmethod
-    def _gains(renders: Renders, before: dict[str, Any], reloc: Relocation) -> dict[str, int]:
-        note_at = renders.first_change(reloc.without_note, reloc.body)
-        gains: dict[str, int] = {}
-        for rule in reloc.rules:
-            if len(reloc.rules) == 1:
-                only = reloc.without_note
-            else:
-                only = replace(before, reloc.spans, reloc.placeholders, only_rule=rule)
-            gains[rule] = max(0, note_at - renders.first_change(before, only))
-        return gains
+    def _measure(
+        meter: GainMeter, before: dict[str, Any], reloc: Relocation, rules: Sequence[str]
+    ) -> None:
+        for rule in rules:
+            # With one rule, replacing only its values is the relocation without the note.
+            replaced: Callable[[], dict[str, Any]] = (
+                partial(_same, reloc.without_note)
+                if len(reloc.rules) == 1
+                else partial(replace, before, reloc.spans, reloc.placeholders, only_rule=rule)
+            )
+            meter.relocation(rule, before, replaced, reloc.without_note, reloc.body)
+
+
+def _same(body: dict[str, Any]) -> dict[str, Any]:
+    return body

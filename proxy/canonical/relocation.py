@@ -104,50 +104,133 @@ def stable_slots(body: dict[str, Any]) -> list[TextSlot]:
     return [*tool_slots(body), *system_slots(body, leading_only=True)]
 
 
-def detect(
-    slots: Sequence[TextSlot], detectors: Mapping[str, Sequence[Detector]]
-) -> list[tuple[TextSlot, list[Found]]]:
-    """Every value each detector finds in each slot, outside protected ranges (unresolved)."""
-    out: list[tuple[TextSlot, list[Found]]] = []
-    for slot in slots:
-        text = slot.text
+class DetectionCache:
+    """Values found per text, for texts seen again (tool descriptions, unchanged prompts).
+
+    Keyed by the exact text; cleared when full. It only saves time: a text always gives the
+    same values.
+    """
+
+    __slots__ = ("_entries", "max_entries", "max_length")
+
+    def __init__(self, *, max_entries: int = 2048, max_length: int = 16384) -> None:
+        self._entries: dict[str, list[Found]] = {}
+        self.max_entries = max_entries
+        self.max_length = max_length
+
+    def find(self, text: str, detectors: Mapping[str, Sequence[Detector]]) -> list[Found]:
+        """Every value each detector finds in ``text``, outside protected ranges."""
+        cacheable = len(text) <= self.max_length
+        if cacheable and (hit := self._entries.get(text)) is not None:
+            return hit
         view = ascii_view(text)
         finds = [f for dets in detectors.values() for det in dets for f in det(text, view)]
-        if not finds:
-            continue
-        protected = _protected(text)
-        if protected:
+        if finds and (protected := _protected(text)):
             finds = [f for f in finds if all(f.end <= lo or f.start >= hi for lo, hi in protected)]
+        if cacheable:
+            if len(self._entries) >= self.max_entries:
+                self._entries.clear()
+            self._entries[text] = finds
+        return finds
+
+
+def detect(
+    slots: Sequence[TextSlot],
+    detectors: Mapping[str, Sequence[Detector]],
+    cache: DetectionCache,
+) -> list[tuple[TextSlot, list[Found]]]:
+    """The values found in each slot (overlaps not yet resolved), for slots that have any."""
+    out: list[tuple[TextSlot, list[Found]]] = []
+    for slot in slots:
+        finds = cache.find(slot.text, detectors)
         if finds:
             out.append((slot, finds))
     return out
 
 
-def resolve(found: Iterable[tuple[TextSlot, list[Found]]], rules: Sequence[str]) -> list[SlotFinds]:
-    """Keep the finds of ``rules``; where two overlap, the earlier, then longer, then the one
-    whose rule comes first wins."""
+def _resolve(finds: Iterable[Found], rank: Mapping[str, int]) -> list[Found]:
+    """The finds of ranked rules without overlaps: the earlier, then longer, then the one
+    whose rule ranks first wins."""
+    kept: list[Found] = []
+    ordered = sorted(
+        (f for f in finds if f.rule in rank), key=lambda f: (f.start, f.start - f.end, rank[f.rule])
+    )
+    for f in ordered:
+        if not kept or f.start >= kept[-1].end:
+            kept.append(f)
+    return kept
+
+
+def _masked(text: str, finds: Sequence[Found]) -> tuple[str, list[tuple[int, int]]]:
+    """``text`` with each find replaced by a placeholder of its label, and for each
+    placeholder its start in the masked text and the shift it puts on what follows."""
+    pieces: list[str] = []
+    shifts: list[tuple[int, int]] = []
+    last = at = shift = 0
+    for f in finds:
+        mask = f"[[{f.label}_0]]"
+        pieces += (text[last : f.start], mask)
+        at += f.start - last
+        shift += (f.end - f.start) - len(mask)
+        shifts.append((at, shift))
+        at += len(mask)
+        last = f.end
+    pieces.append(text[last:])
+    return "".join(pieces), shifts
+
+
+def settle(
+    found: Iterable[tuple[TextSlot, list[Found]]],
+    rules: Sequence[str],
+    detectors: Mapping[str, Sequence[Detector]],
+    cache: DetectionCache,
+    *,
+    rounds: int = 3,
+) -> list[SlotFinds]:
+    """The values of ``rules`` to relocate in each slot, overlaps resolved.
+
+    A value can hide another: a detector that wants a word boundary does not see a date glued
+    to the end of another date until the first is a placeholder. So each slot is detected
+    again with its values masked by placeholders, and what shows up joins the values, until
+    nothing new does: the output then has nothing left to find, which makes canonicalizing
+    idempotent. In practice the second round finds nothing, and its text (the prompt with
+    placeholders) is the same on every request, so it comes from the cache.
+    """
     rank = {rule: i for i, rule in enumerate(rules)}
     out: list[SlotFinds] = []
     for slot, finds in found:
-        kept: list[Found] = []
-        ordered = sorted(
-            (f for f in finds if f.rule in rank),
-            key=lambda f: (f.start, f.start - f.end, rank[f.rule]),
-        )
-        for f in ordered:
-            if not kept or f.start >= kept[-1].end:
-                kept.append(f)
+        kept = _resolve(finds, rank)
+        for _ in range(rounds):
+            if not kept:
+                break
+            masked, shifts = _masked(slot.text, kept)
+            extra = [f for f in cache.find(masked, detectors) if f.rule in rank]
+            if not extra:
+                break
+            moved = []
+            for f in extra:  # back to the slot text's offsets
+                shift = next((s for at, s in reversed(shifts) if at < f.start), 0)
+                moved.append(f._replace(start=f.start + shift, end=f.end + shift))
+            kept = _resolve([*kept, *moved], rank)
         if kept:
             out.append(SlotFinds(slot, tuple(kept)))
     return out
 
 
-def assign_placeholders(spans: Sequence[SlotFinds]) -> dict[tuple[str, str], str]:
+def placeholders_in(slots: Iterable[TextSlot]) -> frozenset[str]:
+    """The placeholder-shaped strings the prompt's own text already holds."""
+    return frozenset(
+        m.group() for slot in slots if "[[" in slot.text for m in PLACEHOLDER.finditer(slot.text)
+    )
+
+
+def assign_placeholders(
+    spans: Sequence[SlotFinds], taken: frozenset[str] = frozenset()
+) -> dict[tuple[str, str], str]:
     """A placeholder for every (label, value), numbered per label by first appearance.
 
-    Numbers whose placeholder already appears in the prompt's own text are passed over.
+    Numbers whose placeholder is ``taken`` (already in the prompt's own text) are passed over.
     """
-    taken = {m.group() for sf in spans for m in PLACEHOLDER.finditer(sf.slot.text)}
     counters: dict[str, int] = {}
     out: dict[tuple[str, str], str] = {}
     for slot, finds in spans:
@@ -266,8 +349,12 @@ def relocate(
     placement: NotePlacement,
     note_format: str,
     normalise_note: bool,
+    taken: frozenset[str] = frozenset(),
 ) -> Relocation:
-    """Replace the values of ``spans`` by placeholders and place the note, or skip entirely."""
+    """Replace the values of ``spans`` by placeholders and place the note, or skip entirely.
+
+    ``taken``: placeholders the prompt already holds (see ``placeholders_in``).
+    """
     rules = tuple(r for r in rule_order if any(f.rule == r for sf in spans for f in sf.finds))
     if not rules:
         return Relocation(body, body, (), {}, (), (), ())
@@ -275,7 +362,7 @@ def relocate(
     if isinstance(target, str):
         skipped = tuple(Skip(rule, target) for rule in rules)
         return Relocation(body, body, (), {}, (), skipped, ())
-    placeholders = assign_placeholders(spans)
+    placeholders = assign_placeholders(spans, taken)
     replaced = replace(body, spans, placeholders)
     note = note_text(placeholders, note_format)
     if normalise_note and placement == "system_suffix":

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import orjson
+
 from proxy.canonical.draft import Path
 from proxy.fingerprint import SYSTEM_ROLES
 
@@ -65,7 +67,7 @@ def system_slots(body: dict[str, Any], *, leading_only: bool) -> Iterator[TextSl
     if not isinstance(messages, list):
         return
     for i, message in enumerate(messages):
-        if is_system(message):
+        if type(message) is dict and message.get("role") in SYSTEM_ROLES:
             yield from content_slots(("messages", i, "content"), message.get("content"))
         elif leading_only:
             return
@@ -95,16 +97,17 @@ def newest_user_index(body: dict[str, Any]) -> int | None:
     return None
 
 
-def schema_descriptions(path: Path, schema: Any) -> Iterator[TextSlot]:
-    """The ``description`` strings inside a JSON Schema, in document order."""
-    stack: list[tuple[Path, Any]] = [(path, schema)]
+def _walk_descriptions(schema: Any) -> list[tuple[Path, str]]:
+    """(relative path, text) of every ``description`` string in a schema, in document order."""
+    out: list[tuple[Path, str]] = []
+    stack: list[tuple[Path, Any]] = [((), schema)]
     while stack:
         where, node = stack.pop()
         children: list[tuple[Path, Any]] = []
         if isinstance(node, dict):
             for key, value in node.items():
                 if key == "description" and isinstance(value, str):
-                    yield TextSlot((*where, key), value, True)
+                    out.append(((*where, key), value))
                 elif key in _DATA_KEYWORDS:
                     continue
                 elif key in _NAME_MAPS and isinstance(value, dict):
@@ -114,10 +117,72 @@ def schema_descriptions(path: Path, schema: Any) -> Iterator[TextSlot]:
         elif isinstance(node, list):
             children = [((*where, i), item) for i, item in enumerate(node)]
         stack.extend(reversed(children))
+    return out
 
 
-def tool_slots(body: dict[str, Any]) -> Iterator[TextSlot]:
-    """Descriptions of every tool (and legacy function) and of their parameters."""
+def _has_line_end_blanks(text: str) -> bool:
+    return "\r" in text or " \n" in text or "\t\n" in text or text.endswith((" ", "\t"))
+
+
+class ToolTexts:
+    """The owned strings of one tool's function object, relative to it."""
+
+    __slots__ = ("_placed", "line_end_blanks", "texts")
+
+    def __init__(self, texts: tuple[tuple[Path, str], ...]) -> None:
+        self.texts = texts
+        # Whether any of them has a CR or blanks before a line end (work for ``whitespace``).
+        self.line_end_blanks = any(_has_line_end_blanks(t) for _, t in texts)
+        self._placed: dict[Path, tuple[TextSlot, ...]] = {}
+
+    def slots(self, where: Path) -> tuple[TextSlot, ...]:
+        """The strings as slots of a tool at ``where`` (remembered: tools keep their place)."""
+        placed = self._placed.get(where)
+        if placed is None:
+            if len(self._placed) >= 16:
+                self._placed.clear()
+            placed = self._placed[where] = tuple(
+                TextSlot(where + rel, text, True) for rel, text in self.texts
+            )
+        return placed
+
+
+def _tool_texts(function: dict[str, Any]) -> ToolTexts:
+    texts: list[tuple[Path, str]] = []
+    description = function.get("description")
+    if isinstance(description, str):
+        texts.append((("description",), description))
+    parameters = function.get("parameters")
+    if isinstance(parameters, dict | list):
+        texts += [(("parameters", *rel), text) for rel, text in _walk_descriptions(parameters)]
+    return ToolTexts(tuple(texts))
+
+
+# Applications send the same tools on every request: remember each tool's owned strings,
+# keyed by its exact JSON. Cleared when full; the cache only saves time.
+_TOOL_TEXTS: dict[bytes, ToolTexts] = {}
+_TOOL_TEXTS_MAX = 4096
+
+
+def tool_texts(function: dict[str, Any]) -> ToolTexts:
+    """The description and parameter descriptions of a tool's function object."""
+    try:
+        key = orjson.dumps(function)
+    except (TypeError, orjson.JSONEncodeError):
+        return _tool_texts(function)
+    cached = _TOOL_TEXTS.get(key)
+    if cached is None:
+        if len(_TOOL_TEXTS) >= _TOOL_TEXTS_MAX:
+            _TOOL_TEXTS.clear()
+        cached = _TOOL_TEXTS[key] = _tool_texts(function)
+    return cached
+
+
+def tool_slots(body: dict[str, Any], *, line_end_blanks_only: bool = False) -> Iterator[TextSlot]:
+    """Descriptions of every tool (and legacy function) and of their parameters.
+
+    ``line_end_blanks_only``: only tools with a text that has a CR or blanks before a line end.
+    """
     for key, nested in (("tools", True), ("functions", False)):
         items = body.get(key)
         if not isinstance(items, list):
@@ -126,10 +191,7 @@ def tool_slots(body: dict[str, Any]) -> Iterator[TextSlot]:
             function = item.get("function") if nested and type(item) is dict else item
             if type(function) is not dict:
                 continue
-            where: Path = (key, i, "function") if nested else (key, i)
-            description = function.get("description")
-            if isinstance(description, str):
-                yield TextSlot((*where, "description"), description, True)
-            parameters = function.get("parameters")
-            if isinstance(parameters, dict | list):
-                yield from schema_descriptions((*where, "parameters"), parameters)
+            found = tool_texts(function)
+            if line_end_blanks_only and not found.line_end_blanks:
+                continue
+            yield from found.slots((key, i, "function") if nested else (key, i))

@@ -9,9 +9,10 @@ breaks the prefix cache at the tools, which come first. This rule rewrites, and 
   and of its ``function`` object in sorted order, and the ``parameters`` schema with every
   object's keys sorted at every depth (values of other keys, e.g. ``cache_control``, are kept
   as they are, object for object);
-- the tool list, ordered by function name (a stable sort; tools with equal names by their
-  canonical JSON), unless a tool carries a ``cache_control`` marker: moving it would move the
-  provider's cache breakpoint, so then the order is kept and the skip is reported;
+- the tool list, ordered by function name (a stable sort: tools with equal names, and tools
+  without one, keep their order, since anything else to sort them by is text the other rules
+  may still rewrite), unless a tool carries a ``cache_control`` marker: moving it would move
+  the provider's cache breakpoint, so then the order is kept and the skip is reported;
 - ``response_format.json_schema.schema`` (and llama.cpp's ``response_format.schema``): keyword
   order sorted, but the order of the names under ``properties`` kept by default, because under
   constrained decoding it is the order the model writes the fields in (a "reasoning" field put
@@ -24,14 +25,22 @@ breaks the prefix cache at the tools, which come first. This rule rewrites, and 
 
 Lists other than the tool list keep their order: in JSON Schema (``enum``, ``anyOf``,
 ``required``) and in arguments, array order is meaning. Property names inside tool parameter
-schemas are sorted (``sort_tool_properties``): with grammar-constrained tool calls that sets the
-order the model writes the arguments in, which changes nothing an application reads.
+schemas are sorted (``sort_tool_properties``): the model then sees, and under grammar-constrained
+tool calls writes, arguments in sorted key order, which is the order this rule gives the
+arguments of past calls, so the turn the model just generated renders the same way when it
+comes back as history. No application reads meaning into the key order of arguments.
+
+An application that resends the arguments exactly as the model wrote them gains nothing from
+the rewrite on its own history, but one that parses and re-serializes them (or a model whose
+spacing varies) does; the rewrite is cheap and cached (hundreds of calls in a long agent
+history cost well under a millisecond), so it is on by default (``tool_call_arguments``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from functools import lru_cache
 from typing import Any
 
 import orjson
@@ -41,6 +50,8 @@ from proxy.canonical.draft import Draft, format_path
 from proxy.canonical.outcome import Change, RuleOutcome, Skip
 
 _SORT_KEYS = orjson.OPT_SORT_KEYS
+# One change entry for all tool-call arguments of a request (a long agent history has hundreds).
+ARGUMENTS_PATH = "messages[*].tool_calls[*].function.arguments"
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "example"})
 _NAME_MAPS = frozenset({"patternProperties", "$defs", "definitions", "dependentSchemas"})
 
@@ -134,9 +145,29 @@ def _canonical_function(function: dict[str, Any], keep_properties: bool) -> dict
     return out
 
 
+_TOOL_KEYS = frozenset({"type", "function"})
+_FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+
+
 def _canonical_tool(tool: Any, nested: bool, keep_properties: bool) -> Any:
     if type(tool) is not dict:
         return tool
+    try:
+        plain = orjson.dumps(tool)
+        ordered = orjson.dumps(tool, option=_SORT_KEYS)
+    except (TypeError, orjson.JSONEncodeError):
+        pass
+    else:
+        if plain == ordered:
+            return tool
+        function = tool.get("function") if nested else tool
+        if (
+            not keep_properties
+            and (not nested or _TOOL_KEYS.issuperset(tool))
+            and type(function) is dict
+            and _FUNCTION_KEYS.issuperset(function)
+        ):
+            return orjson.loads(ordered)  # the rule owns every key in it: one round trip
     if not nested:
         return _canonical_function(tool, keep_properties)
     out = _sorted_keys(tool)
@@ -153,13 +184,6 @@ def _tool_name(tool: Any, nested: bool) -> str:
     function = tool.get("function") if nested and type(tool) is dict else tool
     name = function.get("name") if type(function) is dict else None
     return name if isinstance(name, str) else ""
-
-
-def _tie_break(tool: Any) -> bytes:
-    try:
-        return orjson.dumps(tool, option=_SORT_KEYS)
-    except (TypeError, orjson.JSONEncodeError):
-        return repr(tool).encode("utf-8", "surrogatepass")
 
 
 def _has_cache_marker(tool: Any) -> bool:
@@ -181,11 +205,7 @@ def _tools(draft: Draft, key: str, rule: RuleConfig, out: list[Change], skips: l
         out.append(Change(STABLE_JSON, key, "sort_keys", rewritten))
     if rule.flag("sort_tools") and len(items) > 1:
         names = [_tool_name(t, nested) for t in items]
-        if len(set(names)) == len(names):
-            order = sorted(range(len(items)), key=names.__getitem__)
-        else:
-            keys = [(n, _tie_break(t)) for n, t in zip(names, items, strict=True)]
-            order = sorted(range(len(items)), key=keys.__getitem__)
+        order = sorted(range(len(items)), key=names.__getitem__)  # stable: equal names keep order
         if order != sorted(order):
             if any(_has_cache_marker(t) for t in items):
                 skips.append(Skip(STABLE_JSON, "cache_control_marker", key))
@@ -232,53 +252,108 @@ def _reject_constant(text: str) -> Any:
     raise ValueError(f"not JSON: {text}")
 
 
-def canonical_arguments(text: str) -> str | None:
-    """Tool-call arguments re-serialized compact with sorted keys, or None if not lossless."""
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_no_duplicates, parse_float=_finite, parse_constant=_reject_constant
+)
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+_CACHED_ARGUMENTS = 4096  # entries; an agent resends its whole history on every turn
+_CACHED_LENGTH = 4096  # characters; longer arguments are canonicalized every time
+
+
+def _canonical_arguments(text: str) -> str | None:
     try:
-        value = json.loads(
-            text,
-            object_pairs_hook=_no_duplicates,
-            parse_float=_finite,
-            parse_constant=_reject_constant,
-        )
-        out = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        out = _ENCODER.encode(_DECODER.decode(text))
         out.encode()  # a lone surrogate from a \ud800 escape cannot be forwarded raw
     except (ValueError, TypeError, RecursionError, UnicodeEncodeError):
         return None
     return out
 
 
+_canonical_arguments_cached = lru_cache(maxsize=_CACHED_ARGUMENTS)(_canonical_arguments)
+
+
+def canonical_arguments(text: str) -> str | None:
+    """Tool-call arguments re-serialized compact with sorted keys, or None if not lossless."""
+    if len(text) <= _CACHED_LENGTH:
+        return _canonical_arguments_cached(text)
+    return _canonical_arguments(text)
+
+
+def _canonical_function_call(function: Any) -> tuple[Any, bool]:
+    """A ``function`` object of a tool call with canonical arguments, and whether the
+    arguments were JSON that could not be rewritten losslessly."""
+    if type(function) is not dict or "arguments" not in function:
+        return function, False
+    args = function["arguments"]
+    if isinstance(args, str):
+        new = canonical_arguments(args)
+        if new is None:
+            return function, args.lstrip()[:1] in ("{", "[")
+        if new == args:
+            return function, False
+    else:
+        new = sorted_json(args)
+        if new is args:
+            return function, False
+    return {**function, "arguments": new}, False
+
+
+def _assistant_message(message: dict[str, Any], index: int) -> tuple[dict[str, Any], int, str]:
+    """An assistant message with canonical tool-call arguments, how many were rewritten, and
+    the path of the first call whose arguments could not be rewritten losslessly."""
+    rewritten = 0
+    lossy = ""
+    out = message
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        new_calls = calls
+        for j, call in enumerate(calls):
+            if type(call) is not dict:
+                continue
+            old = call.get("function")
+            function, bad = _canonical_function_call(old)
+            if bad and not lossy:
+                lossy = format_path(("messages", index, "tool_calls", j, "function", "arguments"))
+            if function is not old:
+                if new_calls is calls:
+                    new_calls = list(calls)
+                new_calls[j] = {**call, "function": function}
+                rewritten += 1
+        if new_calls is not calls:
+            out = {**message, "tool_calls": new_calls}
+    if "function_call" in message:
+        old = message["function_call"]
+        function, bad = _canonical_function_call(old)
+        if bad and not lossy:
+            lossy = format_path(("messages", index, "function_call", "arguments"))
+        if function is not old:
+            out = {**out, "function_call": function}
+            rewritten += 1
+    return out, rewritten, lossy
+
+
 def _arguments(draft: Draft, out: list[Change], skips: list[Skip]) -> None:
     messages = draft.original.get("messages")
     if not isinstance(messages, list):
         return
+    rewritten = 0
+    lossy = ""
+    new_messages = messages
     for i, message in enumerate(messages):
         if type(message) is not dict or message.get("role") != "assistant":
             continue
-        holders: list[tuple[tuple[str | int, ...], Any]] = []
-        calls = message.get("tool_calls")
-        if isinstance(calls, list):
-            for j, call in enumerate(calls):
-                if type(call) is dict:
-                    holders.append(
-                        (("messages", i, "tool_calls", j, "function"), call.get("function"))
-                    )
-        holders.append((("messages", i, "function_call"), message.get("function_call")))
-        for path, function in holders:
-            if type(function) is not dict or "arguments" not in function:
-                continue
-            args = function["arguments"]
-            if isinstance(args, str):
-                new: Any = canonical_arguments(args)
-                if new is None:
-                    if args.lstrip()[:1] in ("{", "["):
-                        skips.append(Skip(STABLE_JSON, "arguments_not_lossless", format_path(path)))
-                    continue
-            else:
-                new = sorted_json(args)
-            if (new != args) if isinstance(args, str) else (new is not args):
-                draft.set((*path, "arguments"), new)
-                out.append(Change(STABLE_JSON, format_path((*path, "arguments")), "sort_keys"))
+        new, count, bad = _assistant_message(message, i)
+        lossy = lossy or bad
+        if new is not message:
+            if new_messages is messages:
+                new_messages = list(messages)
+            new_messages[i] = new
+            rewritten += count
+    if new_messages is not messages:
+        draft.set(("messages",), new_messages)
+        out.append(Change(STABLE_JSON, ARGUMENTS_PATH, "sort_keys", rewritten))
+    if lossy:  # one skip per request, at the first such call
+        skips.append(Skip(STABLE_JSON, "arguments_not_lossless", lossy))
 
 
 def stable_json(kind: str, body: dict[str, Any], rule: RuleConfig) -> RuleOutcome:

@@ -12,7 +12,7 @@ Raw completion prompts (``/v1/completions``, ``/completion``) are one string hol
 application's template and the user's text, often code: a code model imitates the line endings
 it sees, so turning a CRLF file into LF changes what it writes. The rule leaves them alone
 unless ``raw_prompts = true``, and even then keeps the prompt's last line break and the line
-after it (what the model continues from) byte for byte.
+after it (what the model continues from) byte for byte; blanks just before that break go.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def normalise_raw(text: str) -> tuple[str, int, int]:
         return text, 0, 0
     if text[cut] == "\n" and text[cut - 1] == "\r":
         cut -= 1
-    head, breaks, trailing = normalise(text[:cut], strip_end=False)
+    head, breaks, trailing = normalise(text[:cut], strip_end=True)
     return head + text[cut:], breaks, trailing
 
 
@@ -83,7 +83,11 @@ def whitespace(kind: str, body: dict[str, Any], rule: RuleConfig) -> RuleOutcome
     draft = Draft(body)
     changes: list[Change] = []
     if kind == "chat":
-        for slot in (*system_slots(body, leading_only=False), *tool_slots(body)):
+        slots = (
+            *system_slots(body, leading_only=False),
+            *tool_slots(body, line_end_blanks_only=True),
+        )
+        for slot in slots:
             _rewrite(draft, slot.path, slot.text, slot.whole, changes)
     elif kind == "completion" and rule.flag("raw_prompts"):
         prompt = body.get("prompt")
