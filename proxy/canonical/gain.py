@@ -104,16 +104,17 @@ class GainMeter:
         replaced: Callable[[], dict[str, Any]],
         without_note: dict[str, Any],
         with_note: dict[str, Any],
+        note_message: int,
     ) -> None:
-        """A relocation: ``replaced()`` gives ``before`` with only this rule's values replaced."""
+        """A relocation: ``replaced()`` gives ``before`` with only this rule's values replaced;
+        the note is in message ``note_message``."""
 
         def gain(m: Measure) -> int:
             only = replaced()
             first = first_changed(before, only)
-            note = first_changed(without_note, with_note)
-            if first is None or note is None:
+            if first is None:
                 return 0
-            limit = m.offset(without_note, with_note, note)
+            limit = m.offset(without_note, with_note, ("message", note_message))
             return max(0, limit - m.offset(before, only, first))
 
         self._pending.append((rule, gain))
@@ -158,7 +159,7 @@ class GainMeter:
 class Measure:
     """Offsets in one rendered prompt, from its layout (segment starts and length)."""
 
-    __slots__ = ("body", "route", "segments", "total_bytes")
+    __slots__ = ("_rendered", "body", "route", "segments", "total_bytes")
 
     def __init__(
         self, route: str, body: dict[str, Any], segments: Sequence[Segment], total_bytes: int
@@ -167,6 +168,8 @@ class Measure:
         self.body = body
         self.segments = segments
         self.total_bytes = total_bytes
+        # Rules share bodies (one's output is the next one's input): render each segment once.
+        self._rendered: dict[tuple[int, Where], tuple[dict[str, Any], bytes]] = {}
 
     def _segment_index(self, where: Where) -> int:
         kind, i = where
@@ -179,6 +182,14 @@ class Measure:
 
     def _segment(self, body: dict[str, Any], where: Where) -> bytes:
         """One segment of ``body`` rendered on its own."""
+        hit = self._rendered.get((id(body), where))
+        if hit is not None and hit[0] is body:
+            return hit[1]
+        data = self._render_segment(body, where)
+        self._rendered[id(body), where] = (body, data)
+        return data
+
+    def _render_segment(self, body: dict[str, Any], where: Where) -> bytes:
         kind, i = where
         if kind == "tools":
             mini = {"tools": body.get("tools"), "functions": body.get("functions")}

@@ -261,7 +261,9 @@ class Canonicalizer:
                 if len(reloc.rules) == 1
                 else partial(replace, before, reloc.spans, reloc.placeholders, only_rule=rule)
             )
-            meter.relocation(rule, before, replaced, reloc.without_note, reloc.body)
+            meter.relocation(
+                rule, before, replaced, reloc.without_note, reloc.body, reloc.note_message
+            )
 
 
 def _same(body: dict[str, Any]) -> dict[str, Any]:

@@ -49,13 +49,21 @@ reaches the backend as::
   or that message's content is neither a string nor a list, nothing is relocated and the skip
   is reported: a value must never disappear from what the model sees.
 
-Why only the newest user message: an application resends its own original messages on every
-turn, never the proxy's rewrite, so older user messages always arrive without a note and are
-left as they are; the note only ever goes to the newest one.
+What the cache keeps: the tools, the system prompt and the history are byte-identical from
+request to request whatever the values are. The application never sees the rewrite, so on the
+next turn it sends this user message again without the note, and the cache matches up to where
+the note was: with ``user_prefix`` up to the start of that (now older) user message, with
+``user_suffix`` up to its end. The note therefore only ever goes to the newest user message;
+older ones always arrive, and stay, as the application wrote them.
+
+The model reads the note as the placeholders' definitions and answers with the values; a small
+model may now and then quote a placeholder instead. A ``note_format`` that says what the lines
+are ("Placeholders in the instructions stand for:\n{entries}") helps it.
 
 Idempotence: placeholders are never detected as values, nor are note lines (a line starting
-``[[label_n]] = ``), so canonicalizing a canonical request changes nothing. A value never
-spans a line break.
+``[[label_n]] = ``), and a value that only shows once its neighbour is a placeholder is
+relocated in the same pass (see ``settle``), so canonicalizing a canonical request changes
+nothing. A value never spans a line break.
 """
 
 from __future__ import annotations
@@ -276,9 +284,13 @@ def replace(
 class NoteTarget:
     """Where the note goes: a message's content, before or after its text."""
 
-    path: Path  # the message's content
+    index: int  # the message's index
     content: str | list[Any]
     prefix: bool
+
+    @property
+    def path(self) -> Path:
+        return ("messages", self.index, "content")
 
 
 def note_target(body: dict[str, Any], placement: NotePlacement) -> NoteTarget | str:
@@ -296,7 +308,7 @@ def note_target(body: dict[str, Any], placement: NotePlacement) -> NoteTarget | 
     content = body["messages"][index].get("content")
     if not isinstance(content, str | list):
         return "message_content_not_text"
-    return NoteTarget(("messages", index, "content"), content, placement == "user_prefix")
+    return NoteTarget(index, content, placement == "user_prefix")
 
 
 def note_text(placeholders: Mapping[tuple[str, str], str], note_format: str) -> str:
@@ -339,6 +351,7 @@ class Relocation:
     changes: tuple[Change, ...]
     skipped: tuple[Skip, ...]
     rules: tuple[str, ...]  # the rules whose values were relocated, in pipeline order
+    note_message: int = -1  # index of the message that holds the note
 
 
 def relocate(
@@ -368,15 +381,17 @@ def relocate(
     if normalise_note and placement == "system_suffix":
         note = normalise(note, strip_end=True)[0]
     # The target message may itself be a slot (system_suffix): take its rewritten content.
-    content = replaced["messages"][target.path[1]]["content"]
-    final, note_path = place_note(replaced, NoteTarget(target.path, content, target.prefix), note)
+    content = replaced["messages"][target.index]["content"]
+    final, note_path = place_note(replaced, NoteTarget(target.index, content, target.prefix), note)
     changes = [
         Change(f.rule, format_path(slot.path), "placeholder", n)
         for slot, finds in spans
         for f, n in _counts(finds)
     ]
     changes += [Change(rule, note_path, "note", 1) for rule in rules]
-    return Relocation(final, replaced, tuple(spans), placeholders, tuple(changes), (), rules)
+    return Relocation(
+        final, replaced, tuple(spans), placeholders, tuple(changes), (), rules, target.index
+    )
 
 
 def _counts(finds: Sequence[Found]) -> list[tuple[Found, int]]:
