@@ -174,6 +174,10 @@ def add_quality_parser(subparsers: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f} ms"
+
+
 def run_quality(args: argparse.Namespace) -> int:
     bodies = list(read_requests(args.paths))
     if not bodies:
@@ -197,9 +201,8 @@ def run_quality(args: argparse.Namespace) -> int:
     print(f"mean similarity          {report['mean_similarity']:.3f}")
     pt, tt = report["prompt_tokens"], report["mean_ttft_ms"]
     print(f"prompt tokens            original {pt['original']}, canonical {pt['canonical']}")
-    fmt = lambda v: "n/a" if v is None else f"{v:.0f} ms"  # noqa: E731
     print(
-        f"mean TTFT                original {fmt(tt['original'])}, canonical {fmt(tt['canonical'])}"
+        f"mean TTFT                original {_ms(tt['original'])}, canonical {_ms(tt['canonical'])}"
     )
     for d in report["differing"][:10]:
         print(f"  differs: request {d['index']} rules={d['rules']} similarity={d['similarity']}")

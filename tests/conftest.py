@@ -74,7 +74,6 @@ def make_proxy(aiohttp_client: Any) -> MakeProxy:
     return make
 
 
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """In CI a skipped test is a failure: the real-backend and Redis tests must run there."""
     import os
