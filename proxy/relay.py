@@ -76,27 +76,24 @@ async def open_upstream(
     )
     if request.query_string:
         url = f"{url}?{request.query_string}"
+
+    async def send() -> aiohttp.ClientResponse:
+        return await session.request(
+            request.method,
+            url,
+            data=body,
+            headers=headers,
+            timeout=upstream_timeout(timeouts),
+            allow_redirects=False,
+        )
+
     try:
         try:
-            return await session.request(
-                request.method,
-                url,
-                data=body,
-                headers=headers,
-                timeout=upstream_timeout(timeouts),
-                allow_redirects=False,
-            )
+            return await send()
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
             # A pooled keep-alive connection the backend had already closed (llama-server
             # closes idle ones): nothing was answered, so one retry on a new connection is safe.
-            return await session.request(
-                request.method,
-                url,
-                data=body,
-                headers=headers,
-                timeout=upstream_timeout(timeouts),
-                allow_redirects=False,
-            )
+            return await send()
     except TimeoutError as exc:
         raise BackendTimeout(f"backend did not answer in time: {url}") from exc
     except aiohttp.ClientError as exc:
