@@ -257,31 +257,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for opt in OPTIONS:
         env = f"env {opt.env}"
         shown = f"; default {opt.default}" if opt.default not in (None, False) else ""
+        kwargs: dict[str, Any] = {"dest": opt.name, "default": argparse.SUPPRESS}
         if opt.is_flag:
-            parser.add_argument(
-                opt.cli,
-                dest=opt.name,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=f"{opt.help} ({env}{shown})",
-            )
-        elif opt.repeat:
-            parser.add_argument(
-                opt.cli,
-                dest=opt.name,
-                action="append",
-                metavar=opt.metavar,
-                default=argparse.SUPPRESS,
-                help=f"{opt.help} ({env}, comma-separated)",
-            )
+            kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            parser.add_argument(
-                opt.cli,
-                dest=opt.name,
-                metavar=opt.metavar,
-                default=argparse.SUPPRESS,
-                help=f"{opt.help} ({env}{shown})",
-            )
+            kwargs["metavar"] = opt.metavar
+        if opt.repeat:
+            kwargs["action"] = "append"
+            shown = ", comma-separated"
+        parser.add_argument(opt.cli, help=f"{opt.help} ({env}{shown})", **kwargs)
 
 
 def _parse_backend(text: str) -> BackendSpec:

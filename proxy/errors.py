@@ -6,7 +6,6 @@ statuses and bodies pass through untouched and never become one of these.
 
     ProxyError                      base; carries status, type, code
     ├── BadRequest                  400 invalid_request_error (malformed JSON, non-object body…)
-    ├── Unauthorized                401 authentication_error
     ├── PayloadTooLarge             413 invalid_request_error
     ├── UnsupportedMediaType        415 invalid_request_error
     └── UpstreamError               5xx, the backend could not be used
@@ -56,12 +55,6 @@ class ProxyError(Exception):
 class BadRequest(ProxyError):
     status = 400
     type = "invalid_request_error"
-
-
-class Unauthorized(ProxyError):
-    status = 401
-    type = "authentication_error"
-    code = "invalid_api_key"
 
 
 class PayloadTooLarge(ProxyError):
