@@ -14,21 +14,26 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from proxy import handlers
+from proxy.auth import KeysFileError, auth_middleware, load_keys
 from proxy.canonical import Canonicalizer, config_from_mapping
-from proxy.config import Settings
+from proxy.config import ConfigError, Settings
 from proxy.errors import ProxyError, error_response
 from proxy.fleet import Fleet
 from proxy.log import get_logger
 from proxy.prefixes import PrefixTracker
 from proxy.records import RecordBuilder, RecordWriter, monotonic
+from proxy.redact import Redactor
 from proxy.state import REQUEST_ID, STATE, T_START, ProxyState
 from proxy.store import StoreOptions, StoreTimeouts, open_store
 
 log = get_logger()
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Served without a client API key: health probes, and the admin routes (their own token).
+OPEN_PATHS = ("/healthz", "/readyz", "/stats", "/dashboard", "/metrics")
 
 
 @web.middleware
@@ -77,7 +82,20 @@ def build_canonicalizer(settings: Settings) -> Canonicalizer:
 def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.Application:
     """The proxy as an aiohttp application (not yet started)."""
     canonicalizer = build_canonicalizer(settings)
-    app = web.Application(middlewares=[request_context], client_max_size=settings.max_body_bytes)
+    middlewares: list[Middleware] = [request_context]
+    try:
+        keys = load_keys(settings.api_keys, settings.api_keys_file)
+    except KeysFileError as exc:
+        raise ConfigError(str(exc)) from exc
+    if keys.enabled or settings.tenant_header:
+        middlewares.append(
+            auth_middleware(keys, tenant_header=settings.tenant_header, open_paths=OPEN_PATHS)
+        )
+    try:
+        redactor = Redactor.build(settings.redact_patterns, defaults=settings.redact_defaults)
+    except re.error as exc:
+        raise ConfigError(f"bad --redact-pattern: {exc}") from exc
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     record_writer = writer or RecordWriter(logger=get_logger("prefixgate.records"))
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
@@ -103,6 +121,7 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
             writer=record_writer,
             builder=RecordBuilder(slo=settings.slo, pricing=settings.pricing),
             canonicalizer=canonicalizer,
+            redactor=redactor,
         )
         app[STATE] = state
         await fleet.start(session)

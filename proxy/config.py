@@ -67,6 +67,11 @@ class Settings:
     canonical_dry_run: bool = False
     canonical: Mapping[str, Any] = field(default_factory=dict)
     admin_token: str | None = None
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: str | None = None
+    tenant_header: str | None = None
+    redact_patterns: tuple[str, ...] = ()
+    redact_defaults: bool = True
     config_file: str | None = None
 
     @property
@@ -112,6 +117,8 @@ class Option:
     metavar: str | None = None
     is_flag: bool = False
     repeat: bool = False
+    sep: str = ","
+    """How a repeated option's environment variable separates its values."""
 
     @property
     def env(self) -> str:
@@ -242,6 +249,40 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "admin_token", str, "bearer token required on admin routes (/stats, /dashboard, /metrics)"
     ),
+    Option(
+        "api_key",
+        str,
+        "client API key the proxy requires as 'Authorization: Bearer KEY' (repeat for several)",
+        repeat=True,
+        metavar="KEY",
+    ),
+    Option(
+        "api_keys_file",
+        str,
+        "file of client API keys, one 'KEY [TENANT]' per line",
+        metavar="PATH",
+    ),
+    Option(
+        "tenant_header",
+        str,
+        "request header naming the tenant (refines the key's tenant when keys are set)",
+        metavar="NAME",
+    ),
+    Option(
+        "redact_pattern",
+        str,
+        "extra regular expression redacted from logged prompt text (repeat; env: one per line)",
+        repeat=True,
+        metavar="REGEX",
+        sep="\n",
+    ),
+    Option(
+        "redact_defaults",
+        _bool,
+        "redact API keys, tokens and emails from logged prompt text (--log-prompts)",
+        True,
+        is_flag=True,
+    ),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -264,7 +305,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["metavar"] = opt.metavar
         if opt.repeat:
             kwargs["action"] = "append"
-            shown = ", comma-separated"
+            shown = ", comma-separated" if opt.sep == "," else ", one per line"
         parser.add_argument(opt.cli, help=f"{opt.help} ({env}{shown})", **kwargs)
 
 
@@ -286,6 +327,12 @@ def _backends(value: Any) -> tuple[BackendSpec, ...]:
         else:
             items.extend(_parse_backend(p) for p in str(v).split(",") if p.strip())
     return tuple(items)
+
+
+def _repeated(opt: Option, raw: Any) -> tuple[Any, ...]:
+    """A repeated option's values: a list (flags, TOML) or one separated string (environment)."""
+    items = raw if isinstance(raw, list | tuple) else str(raw).split(opt.sep)
+    return tuple(opt.cast(v) for v in items if str(v).strip())
 
 
 def resolve(
@@ -321,7 +368,12 @@ def resolve(
             values[opt.name] = opt.default
             continue
         try:
-            values[opt.name] = _backends(raw) if opt.name == "backend" else opt.cast(raw)
+            if opt.name == "backend":
+                values[opt.name] = _backends(raw)
+            elif opt.repeat:
+                values[opt.name] = _repeated(opt, raw)
+            else:
+                values[opt.name] = opt.cast(raw)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"bad value for {opt.cli}: {raw!r} ({exc})") from exc
 
@@ -360,5 +412,10 @@ def resolve(
         canonical_dry_run=values["canonical_dry_run"],
         canonical=dict(toml.get("canonical", {})),
         admin_token=values["admin_token"],
+        api_keys=values["api_key"] or (),
+        api_keys_file=values["api_keys_file"],
+        tenant_header=values["tenant_header"],
+        redact_patterns=values["redact_pattern"] or (),
+        redact_defaults=values["redact_defaults"],
         config_file=str(config_path) if config_path else None,
     )

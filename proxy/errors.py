@@ -6,6 +6,7 @@ statuses and bodies pass through untouched and never become one of these.
 
     ProxyError                      base; carries status, type, code
     ├── BadRequest                  400 invalid_request_error (malformed JSON, non-object body…)
+    ├── Unauthorized                401 invalid_request_error (missing or wrong API key / token)
     ├── PayloadTooLarge             413 invalid_request_error
     ├── UnsupportedMediaType        415 invalid_request_error
     └── UpstreamError               5xx, the backend could not be used
@@ -55,6 +56,17 @@ class ProxyError(Exception):
 class BadRequest(ProxyError):
     status = 400
     type = "invalid_request_error"
+
+
+class Unauthorized(ProxyError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+    def to_response(self, *, request_id: str | None = None) -> web.Response:
+        resp = super().to_response(request_id=request_id)
+        resp.headers["WWW-Authenticate"] = 'Bearer realm="prefixgate"'
+        return resp
 
 
 class PayloadTooLarge(ProxyError):

@@ -21,7 +21,8 @@ from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, UnsupportedMed
 from proxy.prefixes import PrefixView
 from proxy.records import Observation, monotonic, utc_now_iso
 from proxy.relay import CLIENT_CLOSED, Exchange, relay_inference, relay_passthrough
-from proxy.state import REQUEST_ID, STATE, T_START, ProxyState
+from proxy.state import REQUEST_ID, STATE, T_START, TENANT, ProxyState
+from proxy.store import DEFAULT_NAMESPACE
 
 # Paths served as inference, and the route (dialect and fingerprint vocabulary) each one is.
 INFERENCE_PATHS = {
@@ -71,6 +72,8 @@ async def inference(request: web.Request) -> web.StreamResponse:
     body: dict[str, Any] | None = None
     fired: list[str] = []
     canonical: CanonicalResult | None = None
+    tenant = request.get(TENANT)
+    namespace = tenant or DEFAULT_NAMESPACE
     try:
         raw = await read_body(request, state.settings.max_body_bytes)
         obs.t_body_read = monotonic()
@@ -82,12 +85,16 @@ async def inference(request: web.Request) -> web.StreamResponse:
         body = canonical.body
         fired = list(canonical.fired)
         replicas = [r.url for r in state.fleet.replicas]
-        view = await state.tracker.lookup(route, body, replicas)
+        view = await state.tracker.lookup(
+            route, body, replicas, namespace=namespace, salt=tenant or ""
+        )
         replica = state.fleet.choose(dict(view.matched_blocks))
         if model is None and replica.info is not None:
             model = replica.info.model
         ex.backend_url = replica.url
         ex.dialect = replica.dialect
+        if tenant is not None and ex.dialect.partition_cache(body, tenant):
+            changed = True
         ex.strip_usage = ex.dialect.prepare(route, body, stream=ex.stream)
         ex.upstream_body = orjson.dumps(body) if changed or ex.strip_usage else raw
         replica.in_flight += 1
@@ -126,6 +133,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
             error=ex.error,
         )
         record.canonical_rules = fired
+        record.tenant = tenant
         if canonical is not None:
             if canonical.dry_run_fired:
                 record.extra["canonical_dry_run_rules"] = list(canonical.dry_run_fired)
@@ -134,7 +142,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
         if view is not None and replica is not None:
             state.tracker.annotate(record, view, replica.url)
         if state.settings.log_prompts and body is not None:
-            record.extra["body"] = body
+            record.extra["body"] = state.redactor.value(body)
         state.writer.emit(record)
         if replica is not None:
             state.writer.spawn(

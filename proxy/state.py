@@ -12,6 +12,7 @@ from proxy.config import Settings
 from proxy.fleet import Fleet
 from proxy.prefixes import PrefixTracker
 from proxy.records import RecordBuilder, RecordWriter
+from proxy.redact import Redactor
 from proxy.store import PrefixStore
 
 
@@ -27,8 +28,10 @@ class ProxyState:
     writer: RecordWriter
     builder: RecordBuilder
     canonicalizer: Canonicalizer
+    redactor: Redactor
 
 
 STATE = web.AppKey("prefixgate_state", ProxyState)
 REQUEST_ID = web.RequestKey("prefixgate_request_id", str)
 T_START = web.RequestKey("prefixgate_t_start", float)
+TENANT = web.RequestKey("prefixgate_tenant", str)

@@ -8,7 +8,8 @@ final usage event carries ``metrics.time_to_first_token_ms``, read as the backen
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import aiohttp
@@ -18,10 +19,26 @@ from proxy.backends.llamacpp import fetch_json
 from proxy.records import Observation
 
 
+def tenant_cache_salt(tenant: str, client_salt: object = None) -> str:
+    """vLLM ``cache_salt`` for a tenant: 64 hex digits, within vLLM's validator (≤128, no '/').
+
+    A salt the client sent is folded in, never used as is, so a client can split its own
+    tenant's cache further but cannot choose a salt that lands in another tenant's.
+    """
+    material = tenant if not isinstance(client_salt, str) else f"{tenant}\0{client_salt}"
+    data = b"prefixgate-cache-salt\0" + material.encode("utf-8", "replace")
+    return hashlib.sha256(data).hexdigest()
+
+
 class VllmDialect(Dialect):
     """vLLM (V1 engine)."""
 
     name = "vllm"
+
+    def partition_cache(self, body: MutableMapping[str, Any], tenant: str) -> bool:
+        """vLLM salts the first block's hash with ``cache_salt``: one salt per tenant."""
+        body["cache_salt"] = tenant_cache_salt(tenant, body.get("cache_salt"))
+        return True
 
     def _read_metrics(self, obj: Mapping[str, Any], obs: Observation) -> None:
         metrics = obj.get("metrics")

@@ -1,0 +1,177 @@
+"""Client authentication and tenants.
+
+With API keys configured (``--api-key`` repeated, or ``--api-keys-file``), every request outside
+the health and admin routes must carry ``Authorization: Bearer <key>``; anything else is a 401 in
+the OpenAI error shape. The presented key is hashed with SHA-256 and its digest compared with
+every configured key's digest by ``hmac.compare_digest`` (no early exit), so the time taken does
+not depend on how much of a key an attacker guessed right. The client's key is never forwarded:
+the backend sees the proxy's own ``--backend-api-key`` or no Authorization at all.
+
+A **tenant** is derived from the key (its name in the keys file, else ``key-`` and the first 12
+hex digits of its digest) and, when ``--tenant-header`` is set, refined by that header: behind one
+key, ``X-Tenant: team-a`` makes the tenant ``<key tenant>/team-a``, so a header can subdivide a
+key's tenant but never reach another key's. With no keys the header alone names the tenant
+(for deployments where a trusted gateway in front sets it); with neither, everyone is the
+``default`` tenant. Each tenant has its own prefix index and statistics (the store namespace),
+and on vLLM its own partition of the backend's prefix cache (``cache_salt``, see
+``proxy.backends.vllm.tenant_cache_salt``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import hdrs, web
+from aiohttp.typedefs import Middleware
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy.errors import BadRequest, Unauthorized
+from proxy.state import TENANT
+from proxy.store import DEFAULT_NAMESPACE
+
+_TENANT_OK = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")
+_BEARER = re.compile(r"^\s*Bearer\s+(\S+)\s*$", re.IGNORECASE)
+
+
+class KeysFileError(ValueError):
+    """The API keys file cannot be read or has a malformed line."""
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeys:
+    """The configured client keys, by SHA-256 digest, with the tenant each one names."""
+
+    by_digest: Mapping[bytes, str]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.by_digest)
+
+    def tenant_for(self, authorization: str | None) -> str | None:
+        """The tenant of the key in an ``Authorization`` header, or None when it is not valid."""
+        if not authorization:
+            return None
+        m = _BEARER.match(authorization)
+        if m is None:
+            return None
+        presented = _digest(m.group(1))
+        found: str | None = None
+        for digest, tenant in self.by_digest.items():
+            if hmac.compare_digest(presented, digest):
+                found = tenant
+        return found
+
+
+def default_tenant_name(key: str) -> str:
+    """The tenant of a key configured without a name: stable, and reveals nothing of the key."""
+    return "key-" + _digest(key).hex()[:12]
+
+
+def parse_keys_file(text: str, *, source: str = "keys file") -> dict[str, str]:
+    """``{key: tenant}`` from lines ``KEY [TENANT]``; blank lines and ``#`` comments skipped."""
+    out: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) > 2:
+            raise KeysFileError(f"{source}:{n}: expected 'KEY [TENANT]', got {len(parts)} fields")
+        key = parts[0]
+        tenant = parts[1] if len(parts) == 2 else default_tenant_name(key)
+        if not _TENANT_OK.match(tenant):
+            raise KeysFileError(
+                f"{source}:{n}: tenant must be 1-64 characters of A-Z a-z 0-9 . _ -"
+            )
+        out[key] = tenant
+    return out
+
+
+def load_keys(keys: Iterable[str] = (), keys_file: str | None = None) -> ApiKeys:
+    """Keys given on the command line (tenant from the key) and from a keys file."""
+    mapping = {k: default_tenant_name(k) for k in keys if k}
+    if keys_file:
+        try:
+            text = Path(keys_file).read_text()
+        except OSError as exc:
+            raise KeysFileError(f"cannot read {keys_file}: {exc}") from exc
+        mapping.update(parse_keys_file(text, source=keys_file))
+    return ApiKeys(by_digest={_digest(k): t for k, t in mapping.items()})
+
+
+def tenant_of(
+    keys: ApiKeys,
+    *,
+    authorization: str | None,
+    tenant_header_value: str | None,
+) -> str | None:
+    """The request's tenant, or None when keys are required and the request has no valid one.
+
+    Raises ``ValueError`` for a tenant header that is present but not a valid tenant name.
+    """
+    base: str | None
+    if keys.enabled:
+        base = keys.tenant_for(authorization)
+        if base is None:
+            return None
+    else:
+        base = None
+    if tenant_header_value is not None:
+        sub = tenant_header_value.strip()
+        if not _TENANT_OK.match(sub):
+            raise ValueError("tenant header must be 1-64 characters of A-Z a-z 0-9 . _ -")
+        return f"{base}/{sub}" if base else sub
+    return base or DEFAULT_NAMESPACE
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def auth_middleware(
+    keys: ApiKeys,
+    *,
+    tenant_header: str | None,
+    open_paths: Iterable[str],
+) -> Middleware:
+    """The middleware that checks client keys and stamps each request's tenant.
+
+    ``open_paths`` (health and admin routes, and anything under them; admin routes have their
+    own token) are let through without a client key. When keys are enabled the client's
+    Authorization header is removed before the request goes on, so the backend never sees a
+    client's proxy key.
+    """
+    exempt = tuple(open_paths)
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        if any(path == p or path.startswith(p + "/") for p in exempt):
+            return await handler(request)
+        header_value = request.headers.get(tenant_header) if tenant_header else None
+        try:
+            tenant = tenant_of(
+                keys,
+                authorization=request.headers.get(hdrs.AUTHORIZATION),
+                tenant_header_value=header_value,
+            )
+        except ValueError as exc:
+            raise BadRequest(str(exc), param=tenant_header) from exc
+        if tenant is None:
+            raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
+        if keys.enabled:
+            headers = CIMultiDict(request.headers)
+            headers.popall(hdrs.AUTHORIZATION, None)
+            request = request.clone(headers=CIMultiDictProxy(headers))
+        request[TENANT] = tenant
+        return await handler(request)
+
+    return authenticate
