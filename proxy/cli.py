@@ -1,4 +1,4 @@
-"""The ``prefixgate`` command: ``serve`` the proxy, ``analyze`` logs and traces.
+"""The ``prefixgate`` command: ``serve`` the proxy, ``analyze`` logs and traces, ``simulate``.
 
 Thin by design: parse, resolve settings, run; a bad setting prints one line and exits 2.
 """
@@ -33,9 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     # The analyzer is an offline tool; proxy/ only hands it the command line.
     from analyzers.cli import add_analyze_parser
     from analyzers.quality import add_quality_parser
+    from analyzers.simulate import add_simulate_parser
 
     add_analyze_parser(sub)
     add_quality_parser(sub)
+    add_simulate_parser(sub)
     return parser
 
 
@@ -60,6 +62,7 @@ def serve(args: argparse.Namespace) -> int:
         host=settings.host,
         port=settings.port,
         handler_cancellation=True,  # a client that goes away cancels its upstream request
+        backlog=2048,  # aiohttp's 128 overflows in a burst of connections: 1-3 s SYN retries
         access_log=None,
         print=None,
     )
@@ -74,6 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from analyzers.quality import run_quality
 
         return run_quality(args)
+    if args.command == "simulate":
+        from analyzers.simulate import run_simulate
+
+        return run_simulate(args)
     from analyzers.cli import run_analyze
 
     return run_analyze(args)

@@ -6,10 +6,10 @@
 
 Module map::
 
-    base.py           PrefixStore protocol, StoreOptions / StoreTimeouts, leading_run
+    base.py           PrefixStore protocol, LookupResult, StoreOptions / StoreTimeouts, leading_run
     embedded.py       EmbeddedStore: dicts and OrderedDict LRUs in this process
     redis_store.py    RedisStore: key layout, bounded calls, breaker
-    redis_scripts.py  the Lua the Redis store runs (lookup, record, add_stats)
+    redis_scripts.py  the Lua the Redis store runs (lookup, record, add_stats, routing inputs)
     health.py         StoreHealth: circuit breaker, one log line per incident
     stats.py          StatsSample, its additive counters, Tally (derived figures, percentiles)
     window.py         which buckets make a window; StatsWindow and its JSON
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from proxy.store.base import (
     DEFAULT_NAMESPACE,
+    LookupResult,
     PrefixStore,
     StoreOptions,
     StoreTimeouts,
@@ -35,6 +36,7 @@ __all__ = [
     "DEFAULT_NAMESPACE",
     "LATENCY_BOUNDS_MS",
     "EmbeddedStore",
+    "LookupResult",
     "PrefixStat",
     "PrefixStore",
     "RedisStore",

@@ -7,6 +7,11 @@ A store does two jobs for the proxy:
   sits on the request's critical path (zero round trips embedded, one pipelined round trip to
   Redis, bounded by ``StoreTimeouts.lookup_s``); ``record_prefix`` runs in the background after
   routing.
+* **Routing inputs.** What the router needs besides the index, kept here so that every proxy
+  sharing one Redis sees the same numbers: per namespace, rolling-window counts of the leading
+  blocks recent requests carried (``observe_traffic`` / ``traffic_counts``, for the traffic-shared
+  depth), and per replica the requests in flight from every proxy (``add_in_flight``). ``lookup``
+  reads the index, the counts and the loads in the same single round trip.
 * **Statistics.** Every finished request folded into per-minute buckets (hit rates, predicted vs
   measured, latency histograms, savings) and a per-namespace ranking of application prefixes,
   read back by ``query_stats`` and ``top_prefixes`` for ``/stats`` and the dashboard.
@@ -20,7 +25,8 @@ search (``leading_run``) in both implementations.
 Failure model (Redis). A store call never raises and never waits longer than its timeout: on
 an error it returns the neutral result (``{}``, an empty window, ``[]``), sets ``degraded`` and
 counts a failure; writes made while Redis is unreachable are lost. The embedded store is never
-degraded.
+degraded. A failed ``lookup`` answers ``LookupResult.unavailable()``: the caller falls back to
+its own numbers (its local in-flight counts, a shared depth of 0).
 """
 
 from __future__ import annotations
@@ -66,7 +72,35 @@ class StoreOptions:
     """Application prefixes ranked per namespace and hour; the least used beyond are dropped."""
     key_prefix: str = "pg"
     """First component of every Redis key."""
+    traffic_window_s: float = 120.0
+    """Bucket length of the traffic counts; a read sums the current and the previous bucket,
+    so the window covers between one and two bucket lengths."""
+    in_flight_ttl_s: float = 300.0
+    """A proxy's in-flight counts stop counting this long after its last write (a crashed proxy's
+    load decays instead of sticking)."""
     timeouts: StoreTimeouts = field(default_factory=StoreTimeouts)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """What the critical-path lookup reads in one round trip."""
+
+    matched: dict[str, int]
+    """Leading blocks matched per replica (``longest_match``); ``{}`` when unavailable."""
+    loads: dict[str, float]
+    """Requests in flight per replica, from every proxy sharing the store."""
+    window_requests: int
+    """Requests in the traffic window of the namespace."""
+    hash_counts: list[int]
+    """For each of the request's leading hashes (up to ``TRAFFIC_MAX_BLOCKS``), how many of
+    those requests carried it."""
+    available: bool = True
+    """False when the store could not answer (the other fields are then empty)."""
+
+    @classmethod
+    def unavailable(cls) -> LookupResult:
+        """The neutral answer of a failed lookup."""
+        return cls({}, {}, 0, [], available=False)
 
 
 @runtime_checkable
@@ -96,6 +130,34 @@ class PrefixStore(Protocol):
         self, namespace: str, replica: str, hashes: Sequence[int], capacity_blocks: int
     ) -> None:
         """Mark the whole chain ``hashes`` as just used by ``replica`` and trim to capacity."""
+        ...
+
+    async def lookup(
+        self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
+    ) -> LookupResult:
+        """The index match, the replicas' loads and the traffic counts of ``hashes`` at once.
+
+        ``matched`` is what ``longest_match`` answers; ``hash_counts`` covers the leading
+        ``TRAFFIC_MAX_BLOCKS`` hashes. One pipelined round trip to Redis, bounded by
+        ``StoreTimeouts.lookup_s``; ``LookupResult.unavailable()`` when degraded.
+        """
+        ...
+
+    async def traffic_counts(self, namespace: str, hashes: Sequence[int]) -> tuple[int, list[int]]:
+        """``(window_requests, count per hash)`` for the leading ``hashes``; ``(0, [])`` when
+        degraded."""
+        ...
+
+    async def observe_traffic(self, namespace: str, hashes: Sequence[int]) -> None:
+        """Count one request carrying the leading ``hashes`` in the rolling traffic window."""
+        ...
+
+    async def add_in_flight(self, namespace: str, replica: str, delta: int) -> None:
+        """Change this proxy's count of requests in flight to ``replica`` by ``delta``.
+
+        Loads belong to replicas, not tenants: ``lookup`` answers each replica's load summed over
+        every namespace and every proxy (a proxy silent for ``in_flight_ttl_s`` stops counting).
+        """
         ...
 
     async def add_stats(self, sample: StatsSample) -> None:

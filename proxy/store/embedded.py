@@ -1,8 +1,9 @@
 """The in-process store: the default when no Redis is configured.
 
 Same contract and same numbers as the Redis store, kept in dicts: one ``OrderedDict`` LRU per
-(namespace, replica) with an idle TTL, statistics buckets as dicts of ``bucket_field`` counters
-(what Redis keeps in hashes), and the hourly anchor rankings. Nothing here awaits anything, so
+(namespace, replica) with an idle TTL, a ``TrafficWindow`` and the in-flight counts per
+namespace, statistics buckets as dicts of ``bucket_field`` counters (what Redis keeps in
+hashes), and the hourly anchor rankings. Nothing here awaits anything, so
 a lookup costs no round trip; state lives and dies with the process.
 """
 
@@ -12,7 +13,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from proxy.store.base import DEFAULT_NAMESPACE, StoreOptions, leading_run
+from proxy.routing import TRAFFIC_MAX_BLOCKS, TrafficWindow
+from proxy.store.base import DEFAULT_NAMESPACE, LookupResult, StoreOptions, leading_run
 from proxy.store.ranking import (
     ANCHOR_FIELDS,
     PrefixStat,
@@ -64,6 +66,8 @@ class EmbeddedStore:
         self._indexes: dict[tuple[str, str], _ReplicaIndex] = {}
         self._buckets: dict[_BucketKey, dict[str, float]] = {}
         self._anchors: dict[tuple[str, int], dict[str, _Anchor]] = {}
+        self._traffic: dict[str, TrafficWindow] = {}
+        self._in_flight: dict[str, int] = {}  # per replica, across namespaces
         self._next_sweep = 0.0
 
     @property
@@ -120,6 +124,42 @@ class EmbeddedStore:
         if not blocks:
             del self._indexes[(namespace, replica)]
         self._sweep(now)
+
+    # -- routing inputs -------------------------------------------------------------------------
+
+    async def lookup(
+        self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
+    ) -> LookupResult:
+        """Index match, loads and traffic counts; no I/O."""
+        matched = await self.longest_match(namespace, replicas, hashes)
+        window, counts = await self.traffic_counts(namespace, hashes)
+        loads = {r: float(self._in_flight.get(r, 0)) for r in replicas}
+        return LookupResult(matched, loads, window, counts)
+
+    def _window(self, namespace: str) -> TrafficWindow:
+        window = self._traffic.get(namespace)
+        if window is None:
+            window = self._traffic[namespace] = TrafficWindow(bucket_s=self._opts.traffic_window_s)
+        return window
+
+    async def traffic_counts(self, namespace: str, hashes: Sequence[int]) -> tuple[int, list[int]]:
+        """Requests in the window and how many carried each leading hash."""
+        window = self._traffic.get(namespace)
+        if window is None:
+            return 0, [0] * min(len(hashes), TRAFFIC_MAX_BLOCKS)
+        return window.counts(hashes, self._clock())
+
+    async def observe_traffic(self, namespace: str, hashes: Sequence[int]) -> None:
+        """Count one request in the namespace's rolling window."""
+        self._window(namespace).observe(hashes, self._clock())
+
+    async def add_in_flight(self, namespace: str, replica: str, delta: int) -> None:
+        """Adjust the replica's count (across namespaces); it never goes below zero."""
+        count = self._in_flight.get(replica, 0) + delta
+        if count > 0:
+            self._in_flight[replica] = count
+        else:
+            self._in_flight.pop(replica, None)
 
     # -- statistics -----------------------------------------------------------------------------
 

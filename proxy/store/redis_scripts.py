@@ -142,4 +142,115 @@ return 1
 """,
 )
 
-ALL_SCRIPTS = (LOOKUP, RECORD, ADD_STATS)
+TRAFFIC_READ = LuaScript(
+    "traffic_read",
+    """
+-- KEYS: [1] the current traffic bucket, [2] the previous one; ARGV[1] the request's leading
+-- chain (8 bytes a hash). Returns "window requests,count per hash,..." (both buckets summed) as
+-- one string: parsing one string costs the proxy far less than an array of 65 integers.
+local chain = ARGV[1]
+local fields = {'n'}
+for i = 1, #chain / 8 do
+  fields[#fields + 1] = string.sub(chain, i * 8 - 7, i * 8)
+end
+local cur = redis.call('HMGET', KEYS[1], unpack(fields))
+local prev = redis.call('HMGET', KEYS[2], unpack(fields))
+local counts = {}
+for i = 1, #fields do
+  counts[i] = (tonumber(cur[i]) or 0) + (tonumber(prev[i]) or 0)
+end
+return table.concat(counts, ',')
+""",
+)
+
+LOADS_READ = LuaScript(
+    "loads_read",
+    f"""
+-- KEYS: [1] in-flight counts "<proxy>|<replica id>" -> count, [2] proxies by last write (ms).
+-- ARGV: [1] in-flight TTL ms, then the replica ids. Returns the load per replica, the sum over
+-- the proxies that wrote within the TTL, as one comma-separated string ('' for no replica).
+local nr = #ARGV - 1
+local loads = {{}}
+for j = 1, nr do
+  loads[j] = 0
+end
+if nr == 0 then
+  return ''
+end
+local t = redis.call('TIME')
+local now = (tonumber(t[1]) - {SCORE_EPOCH_S}) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local live = redis.call('ZRANGEBYSCORE', KEYS[2], now - tonumber(ARGV[1]), '+inf')
+if #live == 0 then
+  return table.concat(loads, ',')
+end
+local names = {{}}
+for _, proxy in ipairs(live) do
+  for j = 1, nr do
+    names[#names + 1] = proxy .. '|' .. ARGV[j + 1]
+  end
+end
+local values = redis.call('HMGET', KEYS[1], unpack(names))
+for k = 1, #names do
+  local v = tonumber(values[k])
+  if v and v > 0 then
+    local j = (k - 1) % nr + 1
+    loads[j] = loads[j] + v
+  end
+end
+return table.concat(loads, ',')
+""",
+)
+
+OBSERVE = LuaScript(
+    "observe",
+    """
+-- KEYS[1] the current traffic bucket; ARGV[1] the leading chain, ARGV[2] expire-at (s).
+-- Counts one request ('n') and each hash it carries.
+local chain = ARGV[1]
+redis.call('HINCRBY', KEYS[1], 'n', 1)
+for i = 1, #chain / 8 do
+  redis.call('HINCRBY', KEYS[1], string.sub(chain, i * 8 - 7, i * 8), 1)
+end
+redis.call('EXPIREAT', KEYS[1], ARGV[2])
+return 1
+""",
+)
+
+IN_FLIGHT = LuaScript(
+    "in_flight",
+    f"""
+-- KEYS: [1] in-flight counts "<proxy>|<replica id>" -> count, [2] proxies by last write (ms).
+-- ARGV: [1] proxy id, [2] replica id, [3] the proxy's count now (absolute), [4] TTL ms.
+-- Absolute counts heal a lost write at the next one; proxies silent for the TTL (crashed) are
+-- dropped here and ignored by LOADS_READ.
+local t = redis.call('TIME')
+local now = (tonumber(t[1]) - {SCORE_EPOCH_S}) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[4])
+local field = ARGV[1] .. '|' .. ARGV[2]
+if tonumber(ARGV[3]) > 0 then
+  redis.call('HSET', KEYS[1], field, ARGV[3])
+else
+  redis.call('HDEL', KEYS[1], field)
+end
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+local stale = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. (now - ttl))
+if #stale > 0 then
+  local gone = {{}}
+  for _, proxy in ipairs(stale) do
+    gone[proxy] = true
+  end
+  for _, name in ipairs(redis.call('HKEYS', KEYS[1])) do
+    local proxy = string.match(name, '^([^|]*)|')
+    if proxy and gone[proxy] then
+      redis.call('HDEL', KEYS[1], name)
+    end
+  end
+  redis.call('ZREM', KEYS[2], unpack(stale))
+end
+redis.call('PEXPIRE', KEYS[1], ttl)
+redis.call('PEXPIRE', KEYS[2], ttl)
+return 1
+""",
+)
+
+ALL_SCRIPTS = (LOOKUP, RECORD, ADD_STATS, TRAFFIC_READ, LOADS_READ, OBSERVE, IN_FLIGHT)

@@ -5,14 +5,25 @@ short and plain, else ``~`` + a hash; ``<rid>`` the first 12 hex digits of xxh3-
 replica URL)::
 
     pg:{<rid>}:idx:<ns>          ZSET  block hash (8 bytes BE) -> last use (ms since 2020)
+    pg:{tr:<ns>}:tc:<bucket>     HASH  leading block hash (8 bytes BE) -> requests carrying it,
+                                       "n" -> requests   (bucket = ts // traffic_window_s)
+    pg:{fleet}:load              HASH  "<proxy id>|<rid>" -> that proxy's requests in flight
+    pg:{fleet}:proxies           ZSET  proxy id -> its last in-flight write (ms since 2020)
     pg:{st:<ns>}:m:<minute>      HASH  "<model>|<backend>|<field>" -> sum   (minute = ts // 60)
     pg:{st:<ns>}:h:<hour>        HASH  the same counters, rolled up by hour (hour = ts // 3600)
     pg:{st:<ns>}:top:<hour>      ZSET  anchor -> prompt tokens served in that hour
     pg:{st:<ns>}:anchor:<hour>   HASH  "<anchor>|r|p|c|cp|t|l" -> per-anchor counters, label
 
 The braces are Redis Cluster hash tags: a replica's indexes share a slot, and so do a
-namespace's statistics, so each script touches one slot. Indexes expire after
-``index_ttl_s`` without a write; buckets ``stats_retention_s`` after their minute or hour ends.
+namespace's statistics and its traffic counts, so each script touches one slot. Loads belong
+to the replicas, not to a tenant (a replica is as busy whoever sends to it): they are kept once
+for the whole fleet. Indexes expire
+after ``index_ttl_s`` without a write; buckets ``stats_retention_s`` after their minute or hour
+ends; traffic buckets two window lengths after they start; in-flight counts ``in_flight_ttl_s``
+after the last write, and a proxy silent that long stops counting.
+
+Each proxy writes its own *absolute* in-flight count per replica (it keeps the count locally),
+so a write lost to a Redis blip is healed by the next one instead of drifting for ever.
 
 Every call is bounded (``StoreTimeouts``) and guarded by a circuit breaker (``StoreHealth``):
 Redis down, hung or restarted costs a request at most ``lookup_s``, and the store reconnects by
@@ -22,8 +33,10 @@ itself (redis-py opens a new connection on the next call after one was dropped).
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -33,7 +46,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
-from proxy.store.base import DEFAULT_NAMESPACE, StoreOptions
+from proxy.routing import TRAFFIC_MAX_BLOCKS
+from proxy.store.base import DEFAULT_NAMESPACE, LookupResult, StoreOptions
 from proxy.store.health import StoreHealth
 from proxy.store.ranking import (
     ANCHOR_FIELDS,
@@ -46,9 +60,12 @@ from proxy.store.ranking import (
 )
 from proxy.store.redis_scripts import (
     ADD_STATS,
-    ALL_SCRIPTS,
+    IN_FLIGHT,
+    LOADS_READ,
     LOOKUP,
+    OBSERVE,
     RECORD,
+    TRAFFIC_READ,
     LuaScript,
     pack_chain,
 )
@@ -64,10 +81,37 @@ from proxy.store.window import (
 )
 
 T = TypeVar("T")
+_Call = tuple[LuaScript, Sequence[str], Sequence[Any]]
 _PLAIN_NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 # What a failed Redis call can raise: redis-py's errors, socket errors it did not translate, and
 # our own deadline.
 _FAILURES = (RedisError, OSError, TimeoutError)
+
+
+async def _within(call: Awaitable[T], timeout_s: float) -> T:
+    """``call``'s result, or TimeoutError at ``timeout_s`` sharp.
+
+    Unlike ``asyncio.timeout``, the deadline does not wait for the cancelled call to unwind:
+    redis-py can take up to its socket timeout to do so (a connection being set up to a Redis
+    that accepts and never answers), and the caller may be a request on its critical path.
+    The abandoned call finishes being cancelled in the background.
+    """
+    task = asyncio.ensure_future(call)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except BaseException:  # the caller itself was cancelled
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        task.add_done_callback(_retrieve)
+        raise TimeoutError
+    return task.result()
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: an abandoned call's failure is already accounted for
 
 
 def namespace_key(namespace: str) -> str:
@@ -80,6 +124,12 @@ def namespace_key(namespace: str) -> str:
 def replica_id(replica: str) -> str:
     """Short stable id of a replica URL, used as its hash tag."""
     return xxhash.xxh3_64_hexdigest(replica.encode())[:12]
+
+
+def _numbers(value: bytes | str) -> list[int]:
+    """The integers of a comma-separated script answer (the routing reads)."""
+    text = _text(value)
+    return [int(v) for v in text.split(",")] if text else []
 
 
 def _text(value: bytes | str) -> str:
@@ -103,6 +153,8 @@ class RedisStore:
         self._clock = clock
         self._health = StoreHealth(store="redis", breaker_s=self._opts.timeouts.breaker_s)
         self._closed = False
+        self.proxy_id = uuid.uuid4().hex[:12]
+        self._in_flight: dict[str, int] = {}
 
     @classmethod
     def from_url(cls, url: str, options: StoreOptions | None = None) -> RedisStore:
@@ -153,8 +205,7 @@ class RedisStore:
         if self._closed or not self._health.allow():
             return neutral
         try:
-            async with asyncio.timeout(timeout_s):
-                result = await call()
+            result = await _within(call(), timeout_s)
         except _FAILURES as exc:
             self._health.failed(op, exc)
             return neutral
@@ -164,32 +215,39 @@ class RedisStore:
         self._health.succeeded()
         return result
 
-    async def _load_scripts(self) -> None:
-        pipe = self._client.pipeline(transaction=False)
-        for script in ALL_SCRIPTS:
-            pipe.script_load(script.source)
-        await pipe.execute()
-
     async def _eval_each(
         self, script: LuaScript, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
     ) -> list[Any]:
-        """Run ``script`` once per (keys, args) in one pipelined round trip.
+        """Run ``script`` once per (keys, args) in one pipelined round trip."""
+        return await self._eval_all([(script, keys, args) for keys, args in calls])
 
-        After a Redis restart the script cache is empty: load every script and try once more.
+    async def _eval_all(
+        self, calls: Sequence[tuple[LuaScript, Sequence[str], Sequence[Any]]]
+    ) -> list[Any]:
+        """Run each (script, keys, args) in one pipelined round trip.
+
+        After a Redis restart the script cache is empty: the calls that failed for it are sent
+        once more with the scripts' source (``EVAL`` runs and caches them), one more round trip
+        in all, so that the first lookup after a restart still fits its deadline. Only those
+        calls run again: a script that did run is never applied twice.
         """
-        for attempt in (0, 1):
+        pipe = self._client.pipeline(transaction=False)
+        for script, keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        results = list(await pipe.execute(raise_on_error=False))
+        missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        if missing:
             pipe = self._client.pipeline(transaction=False)
-            for keys, args in calls:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            results = await pipe.execute(raise_on_error=False)
-            if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
-                await self._load_scripts()
-                continue
-            for r in results:
-                if isinstance(r, Exception):
-                    raise r
-            return list(results)
-        raise AssertionError("unreachable")  # the loop returns or raises
+            for i in missing:
+                script, keys, args = calls[i]
+                pipe.eval(script.source, len(keys), *keys, *args)
+            again = await pipe.execute(raise_on_error=False)
+            for i, r in zip(missing, again, strict=True):
+                results[i] = r
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+        return results
 
     # -- keys -----------------------------------------------------------------------------------
 
@@ -199,6 +257,29 @@ class RedisStore:
 
     def _stats_key(self, namespace: str, kind: str, index: int) -> str:
         return f"{self._opts.key_prefix}:{{st:{namespace_key(namespace)}}}:{kind}:{index}"
+
+    def traffic_key(self, namespace: str, bucket: int) -> str:
+        """Key of a namespace's traffic counts for one bucket."""
+        return f"{self._opts.key_prefix}:{{tr:{namespace_key(namespace)}}}:tc:{bucket}"
+
+    def fleet_key(self, kind: str) -> str:
+        """Key of the fleet-wide in-flight counts (``load``) or proxy liveness (``proxies``)."""
+        return f"{self._opts.key_prefix}:{{fleet}}:{kind}"
+
+    def _traffic_bucket(self) -> int:
+        return math.floor(self._clock() / self._opts.traffic_window_s)
+
+    def _in_flight_ttl_ms(self) -> int:
+        return max(round(self._opts.in_flight_ttl_s * 1000), 1)
+
+    def _traffic_read(self, namespace: str, hashes: Sequence[int]) -> _Call:
+        bucket = self._traffic_bucket()
+        keys = (self.traffic_key(namespace, bucket), self.traffic_key(namespace, bucket - 1))
+        return TRAFFIC_READ, keys, (pack_chain(hashes[:TRAFFIC_MAX_BLOCKS]),)
+
+    def _loads_read(self, replicas: Sequence[str]) -> _Call:
+        keys = (self.fleet_key("load"), self.fleet_key("proxies"))
+        return LOADS_READ, keys, (self._in_flight_ttl_ms(), *map(replica_id, replicas))
 
     # -- prefix index ---------------------------------------------------------------------------
 
@@ -235,6 +316,82 @@ class RedisStore:
             await self._eval_each(RECORD, [call])
 
         await self._guarded("record", self._opts.timeouts.write_s, None, run)
+
+    # -- routing inputs -------------------------------------------------------------------------
+
+    async def lookup(
+        self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
+    ) -> LookupResult:
+        """Index match, loads and traffic counts in one pipelined round trip."""
+        chain = pack_chain(hashes) if hashes and replicas else None
+        calls = [self._traffic_read(namespace, hashes), self._loads_read(replicas)]
+        if chain is not None:
+            calls += [(LOOKUP, (self.index_key(namespace, r),), (chain,)) for r in replicas]
+
+        async def run() -> LookupResult:
+            counts_raw, loads_raw, *found = await self._eval_all(calls)
+            window, *counts = _numbers(counts_raw)
+            matched = (
+                {r: int(c) for r, c in zip(replicas, found, strict=True)}
+                if chain is not None
+                else dict.fromkeys(replicas, 0)
+            )
+            loads = _numbers(loads_raw)
+            return LookupResult(
+                matched=matched,
+                loads={r: float(v) for r, v in zip(replicas, loads, strict=True)},
+                window_requests=window,
+                hash_counts=counts,
+            )
+
+        return await self._guarded(
+            "lookup", self._opts.timeouts.lookup_s, LookupResult.unavailable(), run
+        )
+
+    async def traffic_counts(self, namespace: str, hashes: Sequence[int]) -> tuple[int, list[int]]:
+        """Requests in the window and how many carried each leading hash (one script)."""
+        call = self._traffic_read(namespace, hashes)
+
+        async def run() -> tuple[int, list[int]]:
+            (raw,) = await self._eval_all([call])
+            window, *counts = _numbers(raw)
+            return window, counts
+
+        return await self._guarded("traffic", self._opts.timeouts.lookup_s, (0, []), run)
+
+    async def observe_traffic(self, namespace: str, hashes: Sequence[int]) -> None:
+        """Count one request in the current traffic bucket."""
+        bucket = self._traffic_bucket()
+        expire_at = math.ceil((bucket + 2) * self._opts.traffic_window_s)
+        call = (
+            (self.traffic_key(namespace, bucket),),
+            (pack_chain(hashes[:TRAFFIC_MAX_BLOCKS]), expire_at),
+        )
+
+        async def run() -> None:
+            await self._eval_each(OBSERVE, [call])
+
+        await self._guarded("observe", self._opts.timeouts.write_s, None, run)
+
+    async def add_in_flight(self, namespace: str, replica: str, delta: int) -> None:
+        """Adjust this proxy's count and write it, absolute, under this proxy's id.
+
+        Loads are per replica across namespaces; ``namespace`` only says who asked.
+        """
+        count = max(self._in_flight.get(replica, 0) + delta, 0)
+        if count:
+            self._in_flight[replica] = count
+        else:
+            self._in_flight.pop(replica, None)
+        call = (
+            (self.fleet_key("load"), self.fleet_key("proxies")),
+            (self.proxy_id, replica_id(replica), count, self._in_flight_ttl_ms()),
+        )
+
+        async def run() -> None:
+            await self._eval_each(IN_FLIGHT, [call])
+
+        await self._guarded("in_flight", self._opts.timeouts.write_s, None, run)
 
     # -- statistics -----------------------------------------------------------------------------
 

@@ -33,6 +33,8 @@ LATENCY_BOUNDS_MS: tuple[float, ...] = (
 LATENCY_METRICS = ("ttft", "ttfvt", "tpot", "e2e")
 PERCENTILES = (0.5, 0.9, 0.99)
 RULE_PREFIX = "rule:"
+ROUTE_PREFIX = "route:"
+SCHEDULE_PREFIX = "schedule:"
 
 
 def latency_bucket(value_ms: float) -> int:
@@ -64,6 +66,10 @@ class StatsSample:
     prefix_anchor: str | None = None
     canonical_rules: list[str] = field(default_factory=list)
     prefix_label: str | None = None
+    route_reason: str | None = None
+    """Why the router chose this request's backend (``proxy.routing.REASONS``)."""
+    schedule_reason: str | None = None
+    """Where on the backend it went, or why it waited (``proxy.scheduling.REASONS``)."""
 
     @classmethod
     def from_record(
@@ -100,6 +106,8 @@ class StatsSample:
             prefix_anchor=record.prefix_anchor,
             canonical_rules=list(record.canonical_rules),
             prefix_label=prefix_label,
+            route_reason=_route_reason(record),
+            schedule_reason=_schedule_reason(record),
         )
 
     def latencies(self) -> dict[str, float | None]:
@@ -110,6 +118,16 @@ class StatsSample:
             "tpot": self.tpot_ms,
             "e2e": self.e2e_ms,
         }
+
+
+def _route_reason(record: RequestRecord) -> str | None:
+    reason = record.extra.get("route_reason")
+    return reason if isinstance(reason, str) and reason else None
+
+
+def _schedule_reason(record: RequestRecord) -> str | None:
+    reason = record.extra.get("schedule_reason")
+    return reason if isinstance(reason, str) and reason else None
 
 
 def sample_increments(sample: StatsSample) -> dict[str, float]:
@@ -152,6 +170,10 @@ def sample_increments(sample: StatsSample) -> dict[str, float]:
     for rule in sample.canonical_rules:
         key = RULE_PREFIX + rule
         inc[key] = inc.get(key, 0.0) + 1.0
+    if sample.route_reason:
+        inc[ROUTE_PREFIX + sample.route_reason] = 1.0
+    if sample.schedule_reason:
+        inc[SCHEDULE_PREFIX + sample.schedule_reason] = 1.0
     for metric, value in sample.latencies().items():
         if value is None or not math.isfinite(value) or value < 0:
             continue
@@ -235,6 +257,20 @@ class Tally:
             k[n:]: round(v) for k, v in sorted(self.counts.items()) if k.startswith(RULE_PREFIX)
         }
 
+    def routes(self) -> dict[str, int]:
+        """How many requests the router sent for each reason (affinity, miss, load_gate...)."""
+        n = len(ROUTE_PREFIX)
+        return {
+            k[n:]: round(v) for k, v in sorted(self.counts.items()) if k.startswith(ROUTE_PREFIX)
+        }
+
+    def schedules(self) -> dict[str, int]:
+        """How many requests each scheduling decision applied to (slot_hit, coalesced...)."""
+        n = len(SCHEDULE_PREFIX)
+        return {
+            k[n:]: round(v) for k, v in sorted(self.counts.items()) if k.startswith(SCHEDULE_PREFIX)
+        }
+
     def histogram(self, metric: str) -> list[int]:
         """Counts per latency bucket (one more than ``LATENCY_BOUNDS_MS``: the overflow)."""
         return [round(self.get(f"{metric}:h{i}")) for i in range(len(LATENCY_BOUNDS_MS) + 1)]
@@ -289,6 +325,8 @@ class Tally:
             "saved_prefill_ms": round(self.get("saved_prefill_ms"), 3),
             "saved_usd": round(self.get("saved_usd"), 6),
             "rules": self.rules(),
+            "routes": self.routes(),
+            "schedules": self.schedules(),
             "latency_ms": {m: self.latency_summary(m) for m in LATENCY_METRICS},
         }
 

@@ -1,0 +1,146 @@
+"""PrefixTracker's routing side: the view the router reads, claims right after routing, the
+shared in-flight counts, the traffic window fed by learn(), and the fallback when the store
+cannot answer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from proxy.prefixes import PrefixTracker, PrefixView
+from proxy.records import RequestRecord
+from proxy.routing import Candidate, Router, RoutingConfig, route_key
+from proxy.store import EmbeddedStore, LookupResult
+
+CHAT = "/v1/chat/completions"
+R1, R2 = "http://r1:8080", "http://r2:8080"
+BLOCK = 64
+SYSTEM = "You are a careful assistant. " * 12  # a few blocks every request shares
+
+
+def body(user: str) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+    }
+
+
+def record(**fields: Any) -> RequestRecord:
+    values: dict[str, Any] = {
+        "ts": "t",
+        "request_id": "r",
+        "route": CHAT,
+        "model": "m",
+        "backend": None,
+        "stream": False,
+        "status": 200,
+    }
+    values.update(fields)
+    return RequestRecord(**values)
+
+
+def candidates(view: PrefixView, replicas: Sequence[str]) -> list[Candidate]:
+    return [Candidate(r, view.matched_for(r), view.load_for(r)) for r in replicas]
+
+
+class UnavailableStore(EmbeddedStore):
+    """An embedded store whose lookups fail, as a Redis store does while Redis is down."""
+
+    async def lookup(
+        self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
+    ) -> LookupResult:
+        return LookupResult.unavailable()
+
+
+async def test_lookup_fills_matches_loads_and_shared_depth() -> None:
+    """After traffic sharing the system prompt, the view reports it as the shared depth."""
+    store = EmbeddedStore()
+    tracker = PrefixTracker(store, block_bytes=BLOCK, routing=RoutingConfig(min_window_requests=4))
+    views = [await tracker.lookup(CHAT, body(f"question {i} " * 20), [R1, R2]) for i in range(6)]
+    for view in views:
+        await tracker.learn(record(), view, replica=R1, capacity_tokens=100_000)
+    view = await tracker.lookup(CHAT, body("a new question " * 20), [R1, R2])
+    assert view.available
+    assert view.shared_blocks >= len(SYSTEM) // BLOCK - 1
+    assert view.shared_blocks < len(view.fp.block_hashes)
+    assert view.matched_for(R1) >= view.shared_blocks
+    assert view.matched_for(R2) == 0
+    assert view.loads == {R1: 0.0, R2: 0.0}
+    # Ties are broken by the first block past the shared prompt, not by the prompt itself.
+    assert view.key == route_key(view.fp.block_hashes, view.shared_blocks)
+    assert view.key == view.fp.block_hashes[view.shared_blocks]
+
+
+async def test_claim_records_the_chosen_replica_at_once() -> None:
+    """A claim makes the next related request match the replica before the first one ends."""
+    tracker = PrefixTracker(EmbeddedStore(), block_bytes=BLOCK)
+    first = await tracker.lookup(CHAT, body("long shared document " * 40), [R1, R2])
+    await tracker.claim(first, R2, capacity_tokens=100_000)
+    again = await tracker.lookup(CHAT, body("long shared document " * 40 + "more"), [R1, R2])
+    assert again.matched_for(R2) >= len(first.fp.block_hashes) - 1
+    assert again.matched_for(R1) == 0
+    # The router now sends it to R2 by affinity.
+    decision = Router().choose(candidates(again, [R1, R2]), key=again.key, shared_blocks=0)
+    assert (decision.replica, decision.reason) == (R2, "affinity")
+
+
+async def test_in_flight_counts_locally_at_once_and_in_the_store() -> None:
+    """The proxy's own count changes immediately; the store's when the write runs."""
+    store = EmbeddedStore()
+    tracker = PrefixTracker(store, block_bytes=BLOCK)
+    view = await tracker.lookup(CHAT, body("x"), [R1, R2])
+    write = tracker.in_flight(view, R1, +1)
+    assert tracker.local_in_flight(R1) == 1
+    assert (await store.lookup("default", [R1], [])).loads == {R1: 0.0}
+    await write
+    assert (await store.lookup("default", [R1], [])).loads == {R1: 1.0}
+    view = await tracker.lookup(CHAT, body("y"), [R1, R2])
+    assert view.load_for(R1) == 1.0
+    await tracker.in_flight(view, R1, -1)
+    await tracker.in_flight(None, R1, -1)  # an unmatched end never goes negative
+    assert tracker.local_in_flight(R1) == 0
+    assert (await tracker.lookup(CHAT, body("z"), [R1])).loads == {R1: 0.0}
+
+
+async def test_loads_never_fall_below_the_local_count() -> None:
+    """A shared count lagging behind this proxy's own is raised to it."""
+    tracker = PrefixTracker(EmbeddedStore(), block_bytes=BLOCK)
+    pending = [tracker.in_flight(None, R2, +1) for _ in range(3)]  # written later
+    view = await tracker.lookup(CHAT, body("q"), [R1, R2])
+    assert view.loads == {R1: 0.0, R2: 3.0}
+    for write in pending:
+        await write
+
+
+async def test_an_unavailable_store_falls_back_to_local_numbers() -> None:
+    """No matches, this proxy's in-flight counts and a shared depth of 0."""
+    tracker = PrefixTracker(UnavailableStore(), block_bytes=BLOCK)
+    await tracker.in_flight(None, R1, +1)
+    view = await tracker.lookup(CHAT, body("q " * 200), [R1, R2])
+    assert not view.available
+    assert view.matched_blocks == {}
+    assert view.loads == {R1: 1.0, R2: 0.0}
+    assert view.shared_blocks == 0
+    decision = Router().choose(candidates(view, [R1, R2]), key=view.key, shared_blocks=0)
+    assert (decision.replica, decision.reason) == (R2, "miss")
+
+
+async def test_learn_counts_failed_requests_as_traffic_but_not_in_the_index() -> None:
+    """Every request joins the traffic window; only a success is recorded in the index."""
+    store = EmbeddedStore()
+    tracker = PrefixTracker(store, block_bytes=BLOCK)
+    view = await tracker.lookup(CHAT, body("failing " * 30), [R1])
+    await tracker.learn(record(status=502, error="upstream"), view, replica=R1, capacity_tokens=1)
+    assert (await store.traffic_counts("default", view.fp.block_hashes))[0] == 1
+    assert await store.longest_match("default", [R1], view.fp.block_hashes) == {R1: 0}
+
+
+async def test_route_reason_reaches_the_statistics() -> None:
+    """The record's route_reason is counted in the statistics' routes."""
+    store = EmbeddedStore()
+    tracker = PrefixTracker(store, block_bytes=BLOCK)
+    rec = record(backend=R1)
+    rec.extra["route_reason"] = "load_gate"
+    await tracker.learn(rec, None, replica=R1, capacity_tokens=1)
+    window = await store.query_stats(since_s=0)
+    assert window.total.routes() == {"load_gate": 1}
