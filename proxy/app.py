@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from proxy import handlers
+from proxy.admin import install as install_admin
 from proxy.auth import KeysFileError, auth_middleware, load_keys
 from proxy.canonical import Canonicalizer, config_from_mapping
 from proxy.config import ConfigError, Settings
@@ -26,6 +27,7 @@ from proxy.log import get_logger
 from proxy.prefixes import PrefixTracker
 from proxy.records import RecordBuilder, RecordWriter, monotonic
 from proxy.redact import Redactor
+from proxy.scheduling import Scheduler
 from proxy.state import REQUEST_ID, STATE, T_START, ProxyState
 from proxy.store import StoreOptions, StoreTimeouts, open_store
 
@@ -109,22 +111,25 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
                 timeouts=StoreTimeouts(lookup_s=t.store),
             ),
         )
-        fleet = Fleet(settings.backends, dialect=settings.dialect)
+        fleet = Fleet.from_settings(settings)
+        tracker = PrefixTracker(
+            store, block_bytes=settings.block_bytes, log_prompt_labels=settings.log_prompts
+        )
         state = ProxyState(
             settings=settings,
             session=session,
             fleet=fleet,
             store=store,
-            tracker=PrefixTracker(
-                store, block_bytes=settings.block_bytes, log_prompt_labels=settings.log_prompts
-            ),
+            tracker=tracker,
             writer=record_writer,
             builder=RecordBuilder(slo=settings.slo, pricing=settings.pricing),
             canonicalizer=canonicalizer,
             redactor=redactor,
+            scheduler=Scheduler(settings.scheduling, tokens_per_byte=tracker.tokens_per_byte.get),
         )
         app[STATE] = state
         await fleet.start(session)
+        state.scheduler.start(session, fleet.replicas, backend_api_key=settings.backend_api_key)
         log.info(
             "proxy_ready",
             backends=[b.url for b in settings.backends],
@@ -133,6 +138,7 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
         try:
             yield
         finally:
+            await state.scheduler.aclose()
             await fleet.aclose()
             await record_writer.drain()
             await session.close()
@@ -143,5 +149,6 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
     app.router.add_get("/readyz", handlers.readyz)
     for path in handlers.INFERENCE_PATHS:
         app.router.add_post(path, handlers.inference)
+    install_admin(app, settings, record_writer)  # before the catch-all: answered here
     app.router.add_route("*", "/{tail:.*}", handlers.passthrough)
     return app

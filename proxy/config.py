@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from proxy.records import Pricing, Slo
+from proxy.routing import POLICIES, RoutingConfig
+from proxy.scheduling.config import SLOT_MODES, SchedulingConfig
 
 ENV_PREFIX = "PREFIXGATE_"
 DIALECTS = ("auto", "llamacpp", "vllm", "openai")
@@ -36,11 +38,27 @@ class BackendSpec:
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
-    """Upstream timeouts in seconds. A stream never has a total timeout."""
+    """Timeouts in seconds. A stream never has a total timeout."""
 
     connect: float = 10.0
     idle: float = 600.0
     store: float = 0.005
+    client: float = 60.0
+    """Longest silence from a client while it sends its request body (408 after)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HealthChecks:
+    """Active health checks and backend load polling, run per replica in the background."""
+
+    interval_s: float = 2.0
+    """Seconds between two checks of a replica (and between two reads of its own load)."""
+    failures: int = 3
+    """Consecutive failed checks that eject a replica; one passing check brings it back."""
+    timeout_s: float = 2.0
+    """Longest a check may take before it counts as failed."""
+    backend_load: bool = True
+    """Read each backend's own load (llama.cpp ``/slots`` or ``/metrics``, vLLM ``/metrics``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +78,9 @@ class Settings:
     timeouts: Timeouts = field(default_factory=Timeouts)
     slo: Slo = field(default_factory=Slo)
     pricing: Pricing = field(default_factory=Pricing)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    health: HealthChecks = field(default_factory=HealthChecks)
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     block_bytes: int = 256
     capacity_tokens: int | None = None
     stats_retention_s: int = 7 * 24 * 3600
@@ -182,6 +203,13 @@ OPTIONS: tuple[Option, ...] = (
         metavar="S",
     ),
     Option(
+        "client_timeout",
+        float,
+        "seconds without a byte from a client sending its request body before giving up (408)",
+        60.0,
+        metavar="S",
+    ),
+    Option(
         "store_timeout",
         float,
         "seconds the request path waits for the shared store before serving without it",
@@ -231,6 +259,82 @@ OPTIONS: tuple[Option, ...] = (
         "how long statistics are kept, seconds",
         7 * 24 * 3600,
         metavar="S",
+    ),
+    Option(
+        "policy",
+        str,
+        "how requests are spread over several backends: " + ", ".join(POLICIES),
+        "prefix-affinity",
+    ),
+    Option(
+        "min_affinity_blocks",
+        int,
+        "prefix-affinity: blocks a replica must hold beyond the prefix most traffic shares "
+        "before the request follows it",
+        2,
+        metavar="N",
+    ),
+    Option(
+        "load_gate_ratio",
+        float,
+        "prefix-affinity: a replica loaded above RATIO x the fleet mean (plus 2 requests) "
+        "loses its affinity traffic to the least loaded replica",
+        1.5,
+        metavar="RATIO",
+    ),
+    Option(
+        "health_interval_s",
+        float,
+        "seconds between health checks of each backend (and reads of its own load)",
+        2.0,
+        metavar="S",
+    ),
+    Option(
+        "health_failures",
+        int,
+        "consecutive failed health checks that eject a backend until it passes again",
+        3,
+        metavar="N",
+    ),
+    Option("health_timeout_s", float, "seconds a health check may take", 2.0, metavar="S"),
+    Option(
+        "backend_load",
+        _bool,
+        "route with each backend's own load too (llama.cpp /slots or /metrics, vLLM /metrics), "
+        "read on the health-check interval",
+        True,
+        is_flag=True,
+    ),
+    Option(
+        "slot_scheduling",
+        str,
+        "llama.cpp: pin requests sharing a prefix to the slot that holds it (id_slot): "
+        "auto (on, but off on a replica while other traffic reaches it), on, off",
+        "auto",
+        metavar="MODE",
+    ),
+    Option(
+        "coalesce",
+        _bool,
+        "vLLM and other shared-cache servers: hold a request until an in-flight request "
+        "prefilling its prefix has its first token (on/off)",
+        True,
+        metavar="on|off",
+    ),
+    Option(
+        "coalesce_max_wait_ms",
+        float,
+        "longest a request is held for another one's prefill",
+        2000.0,
+        metavar="MS",
+    ),
+    Option(
+        "fanout",
+        _bool,
+        "llama.cpp with --slot-save-path: copy a busy slot's prefix into an idle slot so "
+        "requests sharing it decode in parallel (on/off)",
+        False,
+        metavar="on|off",
     ),
     Option(
         "canonicalize",
@@ -335,6 +439,44 @@ def _repeated(opt: Option, raw: Any) -> tuple[Any, ...]:
     return tuple(opt.cast(v) for v in items if str(v).strip())
 
 
+def _fleet_settings(values: Mapping[str, Any]) -> tuple[RoutingConfig, HealthChecks]:
+    """Routing and health-check settings, validated (``ConfigError`` on a bad value)."""
+    try:
+        routing = RoutingConfig(
+            policy=values["policy"],
+            min_affinity_blocks=values["min_affinity_blocks"],
+            load_gate_ratio=values["load_gate_ratio"],
+        )
+    except ValueError as exc:
+        raise ConfigError(f"bad routing setting: {exc}") from exc
+    health = HealthChecks(
+        interval_s=values["health_interval_s"],
+        failures=values["health_failures"],
+        timeout_s=values["health_timeout_s"],
+        backend_load=values["backend_load"],
+    )
+    if not health.interval_s > 0 or not health.timeout_s > 0:
+        raise ConfigError("--health-interval-s and --health-timeout-s must be positive")
+    if health.failures < 1:
+        raise ConfigError("--health-failures must be at least 1")
+    return routing, health
+
+
+def _scheduling_settings(values: Mapping[str, Any]) -> SchedulingConfig:
+    """Slot scheduling, coalescing and fan-out settings (``ConfigError`` on a bad value)."""
+    if values["slot_scheduling"] not in SLOT_MODES:
+        raise ConfigError(f"--slot-scheduling must be one of {', '.join(SLOT_MODES)}")
+    try:
+        return SchedulingConfig(
+            slot_scheduling=values["slot_scheduling"],
+            coalesce=values["coalesce"],
+            coalesce_max_wait_ms=values["coalesce_max_wait_ms"],
+            fanout=values["fanout"],
+        )
+    except ValueError as exc:
+        raise ConfigError(f"bad scheduling setting: {exc}") from exc
+
+
 def resolve(
     args: Mapping[str, Any] | argparse.Namespace,
     *,
@@ -380,10 +522,15 @@ def resolve(
     backends = values.pop("backend") or ()
     if not backends:
         raise ConfigError(f"no backend configured: pass --backend URL or set {ENV_PREFIX}BACKEND")
+    if any(not b.weight > 0 for b in backends):
+        raise ConfigError("a backend weight must be a positive number (URL=WEIGHT)")
+    if len({b.url for b in backends}) != len(backends):
+        raise ConfigError("the same backend URL is configured twice")
     if values["dialect"] not in DIALECTS:
         raise ConfigError(f"--dialect must be one of {', '.join(DIALECTS)}")
     if values["block_bytes"] < 16:
         raise ConfigError("--block-bytes must be at least 16")
+    routing, health = _fleet_settings(values)
     return Settings(
         backends=tuple(backends),
         host=values["host"],
@@ -399,12 +546,16 @@ def resolve(
             connect=values["connect_timeout"],
             idle=values["idle_timeout"],
             store=values["store_timeout"],
+            client=values["client_timeout"],
         ),
         slo=Slo(ttft_ms=values["slo_ttft_ms"], tpot_ms=values["slo_tpot_ms"]),
         pricing=Pricing(
             input_per_mtok=values["price_input_per_mtok"],
             cached_input_per_mtok=values["price_cached_input_per_mtok"],
         ),
+        routing=routing,
+        health=health,
+        scheduling=_scheduling_settings(values),
         block_bytes=values["block_bytes"],
         capacity_tokens=values["capacity_tokens"],
         stats_retention_s=values["stats_retention_s"],

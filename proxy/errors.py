@@ -7,6 +7,7 @@ statuses and bodies pass through untouched and never become one of these.
     ProxyError                      base; carries status, type, code
     ├── BadRequest                  400 invalid_request_error (malformed JSON, non-object body…)
     ├── Unauthorized                401 invalid_request_error (missing or wrong API key / token)
+    ├── RequestTimeout              408 invalid_request_error (the client stopped sending its body)
     ├── PayloadTooLarge             413 invalid_request_error
     ├── UnsupportedMediaType        415 invalid_request_error
     └── UpstreamError               5xx, the backend could not be used
@@ -67,6 +68,12 @@ class Unauthorized(ProxyError):
         resp = super().to_response(request_id=request_id)
         resp.headers["WWW-Authenticate"] = 'Bearer realm="prefixgate"'
         return resp
+
+
+class RequestTimeout(ProxyError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class PayloadTooLarge(ProxyError):

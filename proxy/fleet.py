@@ -1,27 +1,46 @@
-"""The backend replicas behind the proxy: who they are, what they hold, whether they answer.
+"""The backend replicas behind the proxy: who they are, whether they answer, where a request goes.
 
 Each ``Replica`` carries its dialect (detected at start-up from ``/props`` / ``/version`` or
-forced by configuration), what the server said about itself (slots, context size) and the
-proxy's own count of requests in flight to it. A replica that could not be reached at start-up
-is probed again in the background until it answers, so the proxy can start before its backend.
+forced by configuration), what the server said about itself (slots, context size), the proxy's
+own count of requests in flight to it, its health and, where the server reports it, its own load.
+
+Health. A background monitor checks every replica on ``HealthChecks.interval_s``: ``GET /health``
+for llama.cpp and vLLM, ``GET /v1/models`` for any other server; a 200 within the timeout passes.
+``HealthChecks.failures`` consecutive failures eject the replica, and so does a connection error
+seen by live traffic (``report_failure``); one passing check brings it back. A replica that could
+not be reached at start-up starts ejected and is detected again by the same monitor, so the proxy
+can start before its backends. The same round reads each healthy backend's own load
+(``proxy.backend_metrics``), so nothing on the request path waits for a backend's metrics.
+
+Routing. ``route`` turns what the prefix index said about a request (matched blocks per replica,
+shared in-flight counts, the traffic-shared depth) plus health, weights and loads into
+``Candidate`` s, and lets ``proxy.routing.Router`` choose. The load compared is the largest of
+the shared in-flight count (every proxy on the store), this proxy's own count (always current,
+even before a background store write lands) and the backend's own running + queued requests
+(which also sees traffic that bypasses the proxies, but is as old as the last poll).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from proxy.backend_metrics import BackendLoad, LoadReader
 from proxy.backends import BackendInfo, Dialect, detect_dialect, dialect_named
-from proxy.config import BackendSpec
+from proxy.config import BackendSpec, HealthChecks, Settings
 from proxy.log import get_logger
+from proxy.prefixes import PrefixView
+from proxy.routing import Candidate, Decision, Router, RoutingConfig
 
 log = get_logger()
 
 DEFAULT_CAPACITY_TOKENS = 131_072
+HEALTH_PATHS: Mapping[str, str] = {"llamacpp": "/health", "vllm": "/health"}
+GENERIC_HEALTH_PATH = "/v1/models"
 
 
 @dataclass(slots=True)
@@ -33,10 +52,23 @@ class Replica:
     info: BackendInfo | None = None
     detected: bool = False
     in_flight: int = 0
+    """Requests this proxy has in flight to it."""
+    healthy: bool = True
+    """False while ejected: not chosen while a healthy replica exists."""
+    failures: int = 0
+    """Consecutive failed health checks (or the ejection threshold after a live failure)."""
+    last_error: str | None = None
+    backend_load: BackendLoad | None = None
+    """The backend's own load at the last poll; None when it does not report one."""
+    load_reader: LoadReader = field(default_factory=LoadReader)
 
     @property
     def url(self) -> str:
         return self.spec.url
+
+    @property
+    def health_path(self) -> str:
+        return HEALTH_PATHS.get(self.dialect.name, GENERIC_HEALTH_PATH)
 
     def capacity_tokens(self, configured: int | None) -> int:
         """Prefix-index capacity: configured, else what the server reports, else a default."""
@@ -46,32 +78,102 @@ class Replica:
             return self.info.capacity_tokens
         return DEFAULT_CAPACITY_TOKENS
 
+    def load(self, shared: float | None = None) -> float:
+        """The load the router compares: the largest of the three counts it can know."""
+        own = self.backend_load.total if self.backend_load is not None else 0.0
+        return max(float(self.in_flight), shared or 0.0, own)
+
 
 class Fleet:
-    """All replicas, with start-up detection and background re-probing."""
+    """All replicas: detection, health, load polling and the routing decision."""
 
-    def __init__(self, specs: Sequence[BackendSpec], *, dialect: str = "auto") -> None:
+    def __init__(
+        self,
+        specs: Sequence[BackendSpec],
+        *,
+        dialect: str = "auto",
+        routing: RoutingConfig | None = None,
+        health: HealthChecks | None = None,
+        backend_api_key: str | None = None,
+    ) -> None:
         self._forced = None if dialect == "auto" else dialect
         self.replicas = [Replica(spec=s) for s in specs]
         if self._forced is not None:
             for r in self.replicas:
                 r.dialect = dialect_named(self._forced)
-        self._probe_task: asyncio.Task[None] | None = None
+        self._by_url = {r.url: r for r in self.replicas}
+        self.router = Router(routing)
+        self.health = health or HealthChecks()
+        self._headers = {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
+        self._session: aiohttp.ClientSession | None = None
+        self._monitor: asyncio.Task[None] | None = None
+        self.rounds = 0  # completed check rounds; ``round_done`` is set after each
+        self.round_done = asyncio.Event()
 
-    async def start(self, session: aiohttp.ClientSession, *, retry_s: float = 2.0) -> None:
-        """Detect every replica once now; keep probing the unreachable ones in the background."""
-        await asyncio.gather(*(self._detect(session, r) for r in self.replicas))
-        if not all(r.detected for r in self.replicas):
-            self._probe_task = asyncio.create_task(self._probe_until_detected(session, retry_s))
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Fleet:
+        return cls(
+            settings.backends,
+            dialect=settings.dialect,
+            routing=settings.routing,
+            health=settings.health,
+            backend_api_key=settings.backend_api_key,
+        )
 
-    async def _detect(self, session: aiohttp.ClientSession, replica: Replica) -> None:
+    def __getitem__(self, url: str) -> Replica:
+        return self._by_url[url]
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        """Detect and check every replica once now, then keep checking them in the background.
+
+        At start-up there is no history to be patient with: a replica that fails its first
+        check starts ejected.
+        """
+        self._session = session
+        await asyncio.gather(*(self._check(r, first=True) for r in self.replicas))
+        self._monitor = asyncio.create_task(self._run_monitor())
+
+    async def aclose(self) -> None:
+        """Stop the monitor; safe to call more than once."""
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+            self._monitor = None
+
+    async def _run_monitor(self) -> None:
+        while True:
+            await asyncio.sleep(self.health.interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # the monitor must outlive any one bad answer
+                log.exception("health_check_failed")
+
+    async def check_all(self) -> None:
+        """One round: check every replica's health and read the healthy ones' own load."""
+        await asyncio.gather(*(self._check(r) for r in self.replicas))
+        self.rounds += 1
+        self.round_done.set()
+
+    # -- detection and health ------------------------------------------------------------------
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("Fleet.start() was not called")
+        return self._session
+
+    async def _detect(self, replica: Replica) -> None:
+        session = self._client()
         dialect = (
             dialect_named(self._forced)
             if self._forced is not None
             else await detect_dialect(session, replica.url)
         )
         if dialect is None:
-            log.warning("backend_unreachable_at_startup", backend=replica.url)
+            if replica.failures == 0:  # once per incident, not every round
+                log.warning("backend_unreachable_at_startup", backend=replica.url)
             return
         replica.dialect = dialect
         replica.info = await dialect.describe(session, replica.url)
@@ -85,31 +187,107 @@ class Fleet:
             model=replica.info.model,
         )
 
-    async def _probe_until_detected(self, session: aiohttp.ClientSession, retry_s: float) -> None:
-        while not all(r.detected for r in self.replicas):
-            await asyncio.sleep(retry_s)
-            await asyncio.gather(
-                *(self._detect(session, r) for r in self.replicas if not r.detected)
+    async def _check(self, replica: Replica, *, first: bool = False) -> None:
+        if not replica.detected:
+            await self._detect(replica)
+        error = await self._probe(replica) if replica.detected else "unreachable"
+        if error is not None:
+            replica.backend_load = None
+            if first:
+                self._eject(replica, error)
+            else:
+                self._fail(replica, error)
+            return
+        self._pass(replica)
+        if self.health.backend_load:
+            replica.backend_load = await replica.load_reader.read(
+                self._client(),
+                replica.url,
+                replica.dialect.name,
+                timeout_s=self.health.timeout_s,
             )
 
-    async def aclose(self) -> None:
-        if self._probe_task is not None:
-            self._probe_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probe_task
-            self._probe_task = None
+    async def _probe(self, replica: Replica) -> str | None:
+        """One health check: None when it passed, else what went wrong."""
+        timeout = aiohttp.ClientTimeout(total=self.health.timeout_s)
+        try:
+            async with self._client().get(
+                replica.url + replica.health_path, headers=self._headers, timeout=timeout
+            ) as resp:
+                await resp.read()
+                return (
+                    None if resp.status == 200 else f"{replica.health_path} answered {resp.status}"
+                )
+        except TimeoutError:
+            return f"{replica.health_path} timed out"
+        except aiohttp.ClientError as exc:
+            return f"{replica.health_path} failed: {exc.__class__.__name__}"
 
-    def choose(self, matched_blocks: dict[str, int] | None = None) -> Replica:
-        """The replica for the next request.
+    def _pass(self, replica: Replica) -> None:
+        if not replica.healthy:
+            log.info("backend_restored", backend=replica.url, after=replica.last_error)
+        replica.healthy = True
+        replica.failures = 0
+        replica.last_error = None
 
-        With one replica this is that replica. With several: the one holding the longest
-        prefix, ties broken by fewest requests in flight (prefix-aware routing with load
-        gating is its own module).
-        """
-        if len(self.replicas) == 1:
-            return self.replicas[0]
-        matched = matched_blocks or {}
-        return max(
-            self.replicas,
-            key=lambda r: (matched.get(r.url, 0), -r.in_flight / max(r.spec.weight, 1e-9)),
+    def _fail(self, replica: Replica, error: str) -> None:
+        replica.failures += 1
+        replica.last_error = error
+        if replica.healthy and replica.failures >= self.health.failures:
+            self._eject(replica, error)
+
+    def _eject(self, replica: Replica, reason: str) -> None:
+        replica.failures = max(replica.failures, self.health.failures)
+        replica.last_error = reason
+        if replica.healthy:
+            replica.healthy = False
+            log.warning("backend_ejected", backend=replica.url, reason=reason)
+
+    def report_failure(self, replica: Replica, reason: str) -> None:
+        """Live traffic saw a connection-level failure: eject ``replica`` until a check passes."""
+        self._eject(replica, reason)
+
+    # -- routing -------------------------------------------------------------------------------
+
+    def candidate(self, replica: Replica, view: PrefixView | None) -> Candidate:
+        """What the router knows of ``replica`` for the request described by ``view``."""
+        matched = view.matched_for(replica.url) if view is not None else 0
+        shared = view.loads.get(replica.url) if view is not None else None
+        return Candidate(
+            replica=replica.url,
+            matched_blocks=matched,
+            load=replica.load(shared),
+            weight=replica.spec.weight,
+            healthy=replica.healthy,
         )
+
+    def route(self, view: PrefixView | None) -> Decision:
+        """The replica for a request (``view``: what the index said about it; None for none)."""
+        candidates = [self.candidate(r, view) for r in self.replicas]
+        return self._choose(candidates, view)
+
+    def has_alternative(self, replica: Replica) -> bool:
+        """Whether a healthy replica other than ``replica`` exists (a retry could go there)."""
+        return any(r.healthy and r is not replica for r in self.replicas)
+
+    def reroute(self, view: PrefixView | None, *, tried: Collection[str]) -> Decision | None:
+        """Another healthy replica for a request that ``tried`` could not serve, or None."""
+        candidates = [
+            self.candidate(r, view) for r in self.replicas if r.healthy and r.url not in tried
+        ]
+        if not candidates:
+            return None
+        return self._choose(candidates, view)
+
+    def _choose(self, candidates: Sequence[Candidate], view: PrefixView | None) -> Decision:
+        if view is None:
+            return self.router.choose(candidates, key=0, shared_blocks=0)
+        return self.router.choose(candidates, key=view.key, shared_blocks=view.shared_blocks)
+
+    def passthrough_order(self) -> list[Replica]:
+        """Replicas for a non-inference request: healthy ones first, in configured order."""
+        return sorted(self.replicas, key=lambda r: not r.healthy)
+
+    def readiness(self) -> dict[str, bool]:
+        """Health per replica, as ``/readyz`` reports it."""
+        return {r.url: r.healthy for r in self.replicas}

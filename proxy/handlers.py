@@ -1,28 +1,55 @@
 """Request handlers: inference routes, transparent pass-through, liveness and readiness.
 
 An inference request goes: read and parse the body → canonicalize → fingerprint and look up the
-prefix index → choose a replica → let the dialect prepare the body → relay. Whatever happens, one
-``RequestRecord`` is written when it ends, and the index and statistics learn from it in the
-background.
+prefix index → choose a replica (``Fleet.route``) → claim it in the index and count it in flight →
+let the dialect prepare the body → relay. A replica that fails before the client received a byte
+(connection failure, or a 502/503 status line) is ejected or passed over and the request is sent
+once to another healthy replica. Whatever happens, one ``RequestRecord`` is written when it ends
+(with the replica, ``route_reason`` and ``retried_from``), and the index and statistics learn
+from it in the background.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.backends import CHAT, COMPLETIONS, NATIVE_COMPLETION
 from proxy.canonical import CanonicalResult
-from proxy.errors import BadRequest, PayloadTooLarge, ProxyError, UnsupportedMediaType
+from proxy.errors import (
+    BackendUnavailable,
+    BadRequest,
+    PayloadTooLarge,
+    ProxyError,
+    RequestTimeout,
+    UnsupportedMediaType,
+)
+from proxy.fleet import Replica
+from proxy.log import get_logger
 from proxy.prefixes import PrefixView
 from proxy.records import Observation, monotonic, utc_now_iso
-from proxy.relay import CLIENT_CLOSED, Exchange, relay_inference, relay_passthrough
+from proxy.relay import (
+    CLIENT_CLOSED,
+    BackendConnectTimeout,
+    Exchange,
+    NotStarted,
+    relay_inference,
+    relay_passthrough,
+    send_answer,
+)
+from proxy.routing import Decision
 from proxy.state import REQUEST_ID, STATE, T_START, TENANT, ProxyState
 from proxy.store import DEFAULT_NAMESPACE
+
+log = get_logger()
+
+RETRY_REASON = "retry"  # route reason of a request served by a second replica
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 # Paths served as inference, and the route (dialect and fingerprint vocabulary) each one is.
 INFERENCE_PATHS = {
@@ -34,14 +61,36 @@ INFERENCE_PATHS = {
 }
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, bounded by ``limit`` (413 above it)."""
+async def read_body(request: web.Request, limit: int, *, idle_s: float | None = None) -> bytes:
+    """The request body, bounded by ``limit`` (413 above it).
+
+    ``idle_s`` bounds the silence between two pieces of the body (nginx's
+    ``client_body_timeout``): a client that stops sending, or a chunked body that never ends,
+    gets a 408 instead of holding the request open for ever. A slow but steady upload is fine.
+    """
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body is {request.content_length} bytes; limit {limit}")
+    body = bytearray()
     try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes") from exc
+        while True:
+            async with asyncio.timeout(idle_s):
+                chunk = await request.content.readany()
+            if not chunk:
+                return bytes(body)
+            body += chunk
+            if len(body) > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    except TimeoutError as exc:
+        raise RequestTimeout(f"no part of the request body arrived for {idle_s:g} s") from exc
+    except (web.RequestPayloadError, HttpProcessingError) as exc:  # bad chunking or encoding
+        cause = exc.__cause__ if isinstance(exc.__cause__, HttpProcessingError) else exc
+        detail = cause.message if isinstance(cause, HttpProcessingError) else str(cause)
+        raise BadRequest(f"request body could not be decoded: {detail.strip()}") from exc
+
+
+# Deeper bodies are refused: the proxy must be able to serialize what it forwards, and the JSON
+# encoder stops at 255 levels. No OpenAI-style request comes near (tool schemas nest a dozen).
+MAX_JSON_DEPTH = 128
 
 
 def parse_object(body: bytes, content_type: str) -> dict[str, Any]:
@@ -55,8 +104,138 @@ def parse_object(body: bytes, content_type: str) -> dict[str, Any]:
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
-        raise BadRequest(f"request body must be a JSON object, not {type(obj).__name__}")
+        raise BadRequest(f"request body must be a JSON object, not {_json_type(obj)}")
+    if _nested_deeper(obj, body, MAX_JSON_DEPTH):
+        raise BadRequest(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
     return obj
+
+
+def _nested_deeper(obj: dict[str, Any], raw: bytes, limit: int) -> bool:
+    """Whether containers in ``obj`` nest more than ``limit`` levels (the body itself is 1)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False  # it cannot nest deeper than it has brackets: most bodies stop here
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        for child in node.values() if type(node) is dict else node:
+            if type(child) is dict or type(child) is list:
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+_JSON_TYPES = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    type(None): "null",
+}
+
+
+def _json_type(value: Any) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _invalid_type(param: str, expected: str, value: Any) -> BadRequest:
+    return BadRequest(
+        f"Invalid type for '{param}': expected {expected}, but got {_json_type(value)} instead.",
+        param=param,
+        code="invalid_type",
+    )
+
+
+def _missing(param: str) -> BadRequest:
+    return BadRequest(
+        f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
+    )
+
+
+# Top-level fields the proxy itself reads or rewrites, with the types it accepts (null counts as
+# absent, as in OpenAI's API).
+_TOP_LEVEL = (
+    ("model", str, "a string"),
+    ("stream", bool, "a boolean"),
+    ("stream_options", dict, "an object"),
+)
+
+
+def validate_inference(route: str, body: dict[str, Any]) -> None:
+    """Reject, with a 400 naming the field, what the proxy must understand and cannot.
+
+    Those are the fields it routes, fingerprints, canonicalizes and relays by: ``model``,
+    ``stream``, ``stream_options``, the chat ``messages`` (an array of objects with a string
+    ``role`` and string, array or null ``content``) and ``tools``, the completion ``prompt``.
+    Every other field (``max_tokens``, ``stop``, ``temperature``…) is the backend's to judge:
+    it answers its own 4xx, relayed unchanged.
+    """
+    for name, kind, expected in _TOP_LEVEL:
+        value = body.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise _invalid_type(name, expected, value)
+    if route == CHAT:
+        _validate_chat(body)
+        return
+    prompt = body.get("prompt")
+    if prompt is None or isinstance(prompt, str | list):
+        return
+    if route == NATIVE_COMPLETION and isinstance(prompt, dict):
+        return  # llama.cpp's multimodal prompt object
+    raise _invalid_type("prompt", "a string or an array", prompt)
+
+
+def _validate_chat(body: dict[str, Any]) -> None:
+    messages = body.get("messages")
+    if messages is None:
+        raise _missing("messages")
+    if not isinstance(messages, list):
+        raise _invalid_type("messages", "an array", messages)
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise _invalid_type(where, "an object", message)
+        role = message.get("role")
+        if role is None:
+            raise _missing(f"{where}.role")
+        if not isinstance(role, str):
+            raise _invalid_type(f"{where}.role", "a string", role)
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise _invalid_type(f"{where}.content", "a string, an array or null", content)
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise _invalid_type("tools", "an array", tools)
+
+
+@dataclass(slots=True)
+class Target:
+    """Where an inference request goes: the replica, why it was chosen, how loaded it was."""
+
+    replica: Replica
+    reason: str
+    load: float
+    retried_from: str | None = None
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """The request as canonicalized, before any replica's dialect adjusts it."""
+
+    body: dict[str, Any]
+    raw: bytes
+    changed: bool
+    tenant: str | None
+    model: str | None
+    sent: dict[str, Any] | None = None
+
+
+def _target(state: ProxyState, view: PrefixView, decision: Decision) -> Target:
+    replica = state.fleet[decision.replica]
+    load = state.fleet.candidate(replica, view).load
+    return Target(replica=replica, reason=decision.reason, load=load)
 
 
 async def inference(request: web.Request) -> web.StreamResponse:
@@ -68,16 +247,20 @@ async def inference(request: web.Request) -> web.StreamResponse:
     ts = utc_now_iso()
     model: str | None = None
     view: PrefixView | None = None
-    replica = None
+    target: Target | None = None
     body: dict[str, Any] | None = None
+    out: Outgoing | None = None
     fired: list[str] = []
     canonical: CanonicalResult | None = None
     tenant = request.get(TENANT)
     namespace = tenant or DEFAULT_NAMESPACE
     try:
-        raw = await read_body(request, state.settings.max_body_bytes)
+        raw = await read_body(
+            request, state.settings.max_body_bytes, idle_s=state.settings.timeouts.client
+        )
         obs.t_body_read = monotonic()
         body = parse_object(raw, request.content_type)
+        validate_inference(route, body)
         ex.stream = body.get("stream") is True
         model = body["model"] if isinstance(body.get("model"), str) else None
         canonical = state.canonicalizer.apply(route, body)
@@ -88,31 +271,24 @@ async def inference(request: web.Request) -> web.StreamResponse:
         view = await state.tracker.lookup(
             route, body, replicas, namespace=namespace, salt=tenant or ""
         )
-        replica = state.fleet.choose(dict(view.matched_blocks))
-        if model is None and replica.info is not None:
-            model = replica.info.model
-        ex.backend_url = replica.url
-        ex.dialect = replica.dialect
-        if tenant is not None and ex.dialect.partition_cache(body, tenant):
-            changed = True
-        ex.strip_usage = ex.dialect.prepare(route, body, stream=ex.stream)
-        ex.upstream_body = orjson.dumps(body) if changed or ex.strip_usage else raw
-        replica.in_flight += 1
+        target = _target(state, view, state.fleet.route(view))
+        if model is None and target.replica.info is not None:
+            model = target.replica.info.model
+        out = Outgoing(body=body, raw=raw, changed=changed, tenant=tenant, model=model)
+        retry = state.fleet.has_alternative(target.replica)
         try:
-            resp = await relay_inference(
-                request,
-                state.session,
-                ex,
-                timeouts=state.settings.timeouts,
-                backend_api_key=state.settings.backend_api_key,
-            )
-        finally:
-            replica.in_flight -= 1
+            resp = await _attempt(request, state, ex, view, target, out, retry=retry)
+        except NotStarted as failed:
+            resp = await _retry(request, state, ex, view, target, out, failed)
+        if ex.error == "backend_disconnected":
+            state.fleet.report_failure(target.replica, "connection lost mid-stream")
         if fired:
             resp.headers.setdefault("X-Prefixgate-Canonical", ",".join(fired))
         return resp
     except ProxyError as exc:
         ex.status, ex.error = exc.status, exc.type
+        if target is not None and isinstance(exc, BackendUnavailable | BackendConnectTimeout):
+            state.fleet.report_failure(target.replica, exc.message)
         return exc.to_response(request_id=ex.request_id)
     except asyncio.CancelledError:
         ex.status, ex.error = CLIENT_CLOSED, "client_disconnected"
@@ -127,7 +303,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
             route=request.path,
             model=model,
             backend=ex.backend_url or None,
-            dialect=ex.dialect.name if replica else None,
+            dialect=ex.dialect.name if target else None,
             stream=ex.stream,
             status=ex.status or 500,
             error=ex.error,
@@ -139,38 +315,145 @@ async def inference(request: web.Request) -> web.StreamResponse:
                 record.extra["canonical_dry_run_rules"] = list(canonical.dry_run_fired)
             if canonical.stable_bytes_gained:
                 record.extra["canonical_stable_bytes"] = canonical.stable_bytes_gained
-        if view is not None and replica is not None:
-            state.tracker.annotate(record, view, replica.url)
+        if target is not None:
+            record.extra["route_reason"] = target.reason
+            record.extra["replica_load"] = target.load
+            if target.retried_from is not None:
+                record.extra["retried_from"] = target.retried_from
+            if view is not None:
+                state.tracker.annotate(record, view, target.replica.url)
         if state.settings.log_prompts and body is not None:
-            record.extra["body"] = state.redactor.value(body)
+            sent = out.sent if out is not None and out.sent is not None else body
+            record.extra["body"] = state.redactor.value(sent)
+        state.scheduler.annotate(record, ex)
         state.writer.emit(record)
-        if replica is not None:
+        if target is not None:
             state.writer.spawn(
                 state.tracker.learn(
                     record,
                     view,
-                    replica=replica.url,
-                    capacity_tokens=replica.capacity_tokens(state.settings.capacity_tokens),
+                    replica=target.replica.url,
+                    capacity_tokens=target.replica.capacity_tokens(state.settings.capacity_tokens),
                 )
             )
 
 
+async def _attempt(
+    request: web.Request,
+    state: ProxyState,
+    ex: Exchange,
+    view: PrefixView,
+    target: Target,
+    out: Outgoing,
+    *,
+    retry: bool,
+) -> web.StreamResponse:
+    """Send the request to ``target`` and relay its answer.
+
+    The dialect adjusts a copy of the canonical body (dialects only set top-level keys), so a
+    retry on a replica of another dialect starts from the same body. The replica is claimed in
+    the index and counted in flight before anything is sent: a burst of related requests finds
+    the claim, and every proxy on the store sees the load.
+    """
+    replica = target.replica
+    ex.backend_url = replica.url
+    ex.dialect = replica.dialect
+    body = dict(out.body)
+    edited = out.changed
+    if out.tenant is not None and ex.dialect.partition_cache(body, out.tenant):
+        edited = True
+    ex.strip_usage = ex.dialect.prepare(ex.route, body, stream=ex.stream)
+    # Where on the replica it goes (llama.cpp slot) and when (coalescing); may wait.
+    ticket = await state.scheduler.admit(ex, replica, view, body, model=out.model, stream=ex.stream)
+    ex.on_first_token = ticket.first_token
+    edited = edited or ticket.body_changed
+    ex.upstream_body = orjson.dumps(body) if edited or ex.strip_usage else out.raw
+    out.sent = body
+    capacity = replica.capacity_tokens(state.settings.capacity_tokens)
+    state.writer.spawn(state.tracker.claim(view, replica.url, capacity, out.model))
+    replica.in_flight += 1
+    state.writer.spawn(state.tracker.in_flight(view, replica.url, +1))
+    try:
+        return await relay_inference(
+            request,
+            state.session,
+            ex,
+            timeouts=state.settings.timeouts,
+            backend_api_key=state.settings.backend_api_key,
+            retry=retry,
+        )
+    finally:
+        ticket.end(ok=200 <= ex.status < 400 and ex.error is None)
+        replica.in_flight -= 1
+        state.writer.spawn(state.tracker.in_flight(view, replica.url, -1))
+
+
+async def _retry(
+    request: web.Request,
+    state: ProxyState,
+    ex: Exchange,
+    view: PrefixView,
+    target: Target,
+    out: Outgoing,
+    failed: NotStarted,
+) -> web.StreamResponse:
+    """``target`` failed before the client saw a byte: once more on another healthy replica.
+
+    ``target`` is updated in place to the replica that served (reason ``retry``). With no other
+    healthy replica left, the client gets the first replica's answer or error.
+    """
+    first = target.replica
+    if failed.connection_failed:
+        state.fleet.report_failure(first, failed.reason)
+    decision = state.fleet.reroute(view, tried={first.url})
+    if decision is None:
+        if failed.answer is not None:
+            return await send_answer(request, ex, failed.answer)
+        if failed.failure is not None:
+            raise failed.failure
+        raise BackendUnavailable(failed.reason)
+    again = _target(state, view, decision)
+    log.info("request_retried", backend=again.replica.url, failed=first.url, why=failed.reason)
+    target.replica, target.reason, target.load = again.replica, RETRY_REASON, again.load
+    target.retried_from = first.url
+    ex.status, ex.error = 0, None
+    t_forward = ex.obs.t_forward  # the proxy's own overhead ends when it first forwarded
+    try:
+        return await _attempt(request, state, ex, view, target, out, retry=False)
+    finally:
+        ex.obs.t_forward = t_forward
+
+
 async def passthrough(request: web.Request) -> web.StreamResponse:
-    """Every other path: forwarded to the (first healthy) backend untouched."""
+    """Every other path: forwarded to the first healthy backend untouched.
+
+    When that backend cannot be reached, an idempotent request (GET, HEAD, OPTIONS) is sent
+    once to the next healthy one.
+    """
     state = request.app[STATE]
-    body = (
-        await read_body(request, state.settings.max_body_bytes) if request.can_read_body else None
-    )
-    replica = state.fleet.choose()
-    return await relay_passthrough(
-        request,
-        state.session,
-        url=replica.url + request.path,
-        body=body,
-        request_id=request[REQUEST_ID],
-        timeouts=state.settings.timeouts,
-        backend_api_key=state.settings.backend_api_key,
-    )
+    limit, idle_s = state.settings.max_body_bytes, state.settings.timeouts.client
+    body = await read_body(request, limit, idle_s=idle_s) if request.can_read_body else None
+    order = state.fleet.passthrough_order()
+
+    async def forward(replica: Replica) -> web.StreamResponse:
+        return await relay_passthrough(
+            request,
+            state.session,
+            url=replica.url + request.path,
+            body=body,
+            request_id=request[REQUEST_ID],
+            timeouts=state.settings.timeouts,
+            backend_api_key=state.settings.backend_api_key,
+        )
+
+    try:
+        return await forward(order[0])
+    except (BackendUnavailable, BackendConnectTimeout) as exc:
+        state.fleet.report_failure(order[0], exc.message)
+        second = next((r for r in order[1:] if r.healthy), None)
+        if second is None or request.method not in IDEMPOTENT_METHODS:
+            raise
+        return await forward(second)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -179,27 +462,11 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Readiness: at least one backend answers its health check."""
+    """Readiness: at least one backend passes its health checks (an ejected one does not)."""
     state: ProxyState = request.app[STATE]
-    results = await asyncio.gather(*(_backend_healthy(state, r.url) for r in state.fleet.replicas))
-    backends = {r.url: ok for r, ok in zip(state.fleet.replicas, results, strict=True)}
-    ready = any(results)
+    backends = state.fleet.readiness()
+    ready = any(backends.values())
     return web.json_response(
         {"status": "ready" if ready else "unavailable", "backends": backends},
         status=200 if ready else 503,
     )
-
-
-async def _backend_healthy(state: ProxyState, url: str) -> bool:
-    timeout = aiohttp.ClientTimeout(total=2.0)
-    for path in ("/health", "/v1/models"):
-        try:
-            async with state.session.get(url + path, timeout=timeout) as resp:
-                await resp.read()
-                if resp.status == 200:
-                    return True
-                if resp.status != 404:
-                    return False
-        except (aiohttp.ClientError, TimeoutError):
-            return False
-    return False

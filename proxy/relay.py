@@ -10,12 +10,19 @@ finishing event where the client would have found them).
 Upstream failures are translated here, at the boundary: before the first byte reached the client
 they become ``BackendUnavailable`` (502) or ``BackendTimeout`` (504); after it, an SSE error event
 ends the stream, since the status line is already gone.
+
+Retrying on another replica. When the caller says another replica could take the request
+(``retry=True``), a failure that happened before anything reached the client is raised as
+``NotStarted`` instead: a connection-level failure (refused, reset, connect timeout, the
+connection lost while a non-streamed answer was being read) or a 502/503 status line. The caller
+routes again and relays from the other replica. Nothing is ever retried once the client has
+received a byte, and a read timeout is not retried (the backend may still be working on it).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +38,41 @@ from proxy.records import Observation, monotonic
 from proxy.sse import EventSplitter, event_data
 
 CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
+RETRY_STATUSES = frozenset({502, 503})  # the replica could not take it; another one may
+
+
+class BackendConnectTimeout(BackendTimeout):
+    """504: connecting to the backend timed out (nothing was sent; the replica is suspect)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A complete, non-streamed upstream answer, read into memory and not yet sent."""
+
+    status: int
+    headers: Mapping[str, str]
+    payload: bytes
+    content_type: str
+
+
+class NotStarted(Exception):
+    """The replica did not serve the request and nothing has reached the client.
+
+    Either ``failure`` (a connection-level failure: the replica is suspect) or ``answer`` (it
+    answered 502/503) is set; it is what the client gets when no other replica can be tried.
+    """
+
+    def __init__(
+        self, reason: str, *, failure: ProxyError | None = None, answer: Answer | None = None
+    ) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.failure = failure
+        self.answer = answer
+
+    @property
+    def connection_failed(self) -> bool:
+        return self.failure is not None
 
 
 @dataclass(slots=True)
@@ -48,6 +90,8 @@ class Exchange:
     status: int = 0
     error: str | None = None
     upstream_body: bytes = b""
+    on_first_token: Callable[[Mapping[str, Any]], None] | None = None
+    """Told once, with the event (or whole answer) that carried the backend's first token."""
 
 
 def upstream_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
@@ -78,14 +122,17 @@ async def open_upstream(
         url = f"{url}?{request.query_string}"
 
     async def send() -> aiohttp.ClientResponse:
-        return await session.request(
-            request.method,
-            url,
-            data=body,
-            headers=headers,
-            timeout=upstream_timeout(timeouts),
-            allow_redirects=False,
-        )
+        # A deadline on the whole response head: a backend dribbling its status line and
+        # headers a byte at a time never trips the between-bytes (idle) timeout.
+        async with asyncio.timeout(timeouts.connect + timeouts.idle):
+            return await session.request(
+                request.method,
+                url,
+                data=body,
+                headers=headers,
+                timeout=upstream_timeout(timeouts),
+                allow_redirects=False,
+            )
 
     try:
         try:
@@ -94,6 +141,8 @@ async def open_upstream(
             # A pooled keep-alive connection the backend had already closed (llama-server
             # closes idle ones): nothing was answered, so one retry on a new connection is safe.
             return await send()
+    except aiohttp.ConnectionTimeoutError as exc:
+        raise BackendConnectTimeout(f"backend connect timed out: {url}") from exc
     except TimeoutError as exc:
         raise BackendTimeout(f"backend did not answer in time: {url}") from exc
     except aiohttp.ClientError as exc:
@@ -107,51 +156,75 @@ async def relay_inference(
     *,
     timeouts: Timeouts,
     backend_api_key: str | None,
+    retry: bool = False,
 ) -> web.StreamResponse:
-    """Forward one inference request and relay the answer, observing it into ``ex.obs``."""
+    """Forward one inference request and relay the answer, observing it into ``ex.obs``.
+
+    With ``retry``, a failure before anything reached the client raises ``NotStarted``.
+    """
     ex.obs.t_forward = monotonic()
-    upstream = await open_upstream(
-        session,
-        request,
-        url=ex.backend_url + ex.upstream_path,
-        body=ex.upstream_body,
-        request_id=ex.request_id,
-        timeouts=timeouts,
-        backend_api_key=backend_api_key,
-    )
+    try:
+        upstream = await open_upstream(
+            session,
+            request,
+            url=ex.backend_url + ex.upstream_path,
+            body=ex.upstream_body,
+            request_id=ex.request_id,
+            timeouts=timeouts,
+            backend_api_key=backend_api_key,
+        )
+    except (BackendUnavailable, BackendConnectTimeout) as exc:
+        if retry:
+            raise NotStarted(exc.message, failure=exc) from exc
+        raise
     async with upstream:
         ex.status = upstream.status
         if ex.stream and upstream.status == 200 and is_event_stream(upstream.content_type):
             return await _relay_stream(request, upstream, ex)
-        return await _relay_whole(request, upstream, ex)
+        try:
+            answer = await _read_answer(upstream)
+        except BackendUnavailable as exc:
+            if retry:
+                raise NotStarted(exc.message, failure=exc) from exc
+            raise
+    if retry and answer.status in RETRY_STATUSES:
+        raise NotStarted(f"backend answered {answer.status}", answer=answer)
+    return await send_answer(request, ex, answer)
 
 
-async def _relay_whole(
-    request: web.Request, upstream: aiohttp.ClientResponse, ex: Exchange
-) -> web.StreamResponse:
+async def _read_answer(upstream: aiohttp.ClientResponse) -> Answer:
     try:
         payload = await upstream.read()
     except TimeoutError as exc:
         raise BackendTimeout("backend stopped sending before the response was complete") from exc
     except aiohttp.ClientError as exc:
         raise BackendUnavailable(f"backend failed mid-response: {exc.__class__.__name__}") from exc
+    return Answer(
+        status=upstream.status,
+        headers=downstream_response_headers(upstream.headers),
+        payload=payload,
+        content_type=upstream.content_type or "",
+    )
+
+
+async def send_answer(request: web.Request, ex: Exchange, answer: Answer) -> web.StreamResponse:
+    """Relay a complete answer to the client, reading usage and timings out of it."""
     now = monotonic()
-    if upstream.status == 200 and "json" in (upstream.content_type or ""):
+    ex.status = answer.status
+    if answer.status == 200 and "json" in answer.content_type:
         t0 = monotonic()
         try:
-            obj = orjson.loads(payload)
+            obj = orjson.loads(answer.payload)
         except orjson.JSONDecodeError:
             obj = None
         if isinstance(obj, Mapping):
             ex.dialect.read_response(ex.route, obj, ex.obs)
+            if ex.on_first_token is not None:
+                ex.on_first_token(obj)
         ex.obs.inspect_s += monotonic() - t0
-    elif upstream.status >= 400:
+    elif answer.status >= 400:
         ex.error = "upstream_error"
-    resp = web.Response(
-        status=upstream.status,
-        body=payload,
-        headers=downstream_response_headers(upstream.headers),
-    )
+    resp = web.Response(status=answer.status, body=answer.payload, headers=answer.headers)
     resp.headers["X-Request-Id"] = ex.request_id
     await resp.prepare(request)
     await resp.write_eof()
@@ -186,6 +259,8 @@ class StreamInspector:
         if kind is EventKind.TOKEN or kind is EventKind.VISIBLE:
             if obs.t_first_token is None:
                 obs.t_first_token = now
+                if ex.on_first_token is not None:
+                    ex.on_first_token(obj)
             if kind is EventKind.VISIBLE and obs.t_first_visible is None:
                 obs.t_first_visible = now
             obs.t_last_token = now

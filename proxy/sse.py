@@ -12,28 +12,48 @@ import re
 from collections.abc import Iterator
 
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_LONGEST_SEPARATOR = 4
 
 
 class EventSplitter:
-    """Incremental splitter: feed bytes, get back complete events (with their separators)."""
+    """Incremental splitter: feed bytes, get back complete events (with their separators).
 
-    __slots__ = ("_buf",)
+    Linear in the bytes fed, however long an event is: the unfinished tail grows in place and
+    only its new bytes (plus the three before them, where a separator may have begun) are
+    searched, so a multi-megabyte event arriving in small chunks does not stall the event loop.
+    """
+
+    __slots__ = ("_buf", "_scanned")
 
     def __init__(self) -> None:
-        self._buf = b""
+        self._buf = bytearray()
+        self._scanned = 0  # bytes of the tail already searched for a separator
 
     def feed(self, chunk: bytes) -> Iterator[bytes]:
         """Yield every event completed by ``chunk``; keep the unfinished tail."""
-        buf = self._buf + chunk if self._buf else chunk
+        buf = self._buf
+        if not buf:  # the common case: events arrive whole, nothing is carried over
+            pos = 0
+            for m in _BOUNDARY.finditer(chunk):
+                yield chunk[pos : m.end()]
+                pos = m.end()
+            buf += memoryview(chunk)[pos:]
+            self._scanned = len(buf)
+            return
+        start = max(self._scanned - _LONGEST_SEPARATOR + 1, 0)
+        buf += chunk
         pos = 0
-        for m in _BOUNDARY.finditer(buf):
-            yield buf[pos : m.end()]
+        for m in _BOUNDARY.finditer(buf, start):
+            yield bytes(buf[pos : m.end()])
             pos = m.end()
-        self._buf = buf[pos:]
+        del buf[:pos]
+        self._scanned = len(buf)
 
     def flush(self) -> bytes:
         """Whatever is left when the stream ends (an event without its final blank line)."""
-        rest, self._buf = self._buf, b""
+        rest = bytes(self._buf)
+        self._buf.clear()
+        self._scanned = 0
         return rest
 
     @property

@@ -13,6 +13,7 @@ from proxy.fleet import Fleet
 from proxy.prefixes import PrefixTracker
 from proxy.records import RecordBuilder, RecordWriter
 from proxy.redact import Redactor
+from proxy.scheduling import Scheduler
 from proxy.store import PrefixStore
 
 
@@ -29,6 +30,7 @@ class ProxyState:
     builder: RecordBuilder
     canonicalizer: Canonicalizer
     redactor: Redactor
+    scheduler: Scheduler
 
 
 STATE = web.AppKey("prefixgate_state", ProxyState)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -27,7 +28,9 @@ import orjson
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
+from proxy.config import BackendSpec, HealthChecks
 from proxy.records import RequestRecord
+from proxy.routing import RoutingConfig
 
 MODEL = "fake-model"
 DONE = b"data: [DONE]\n\n"
@@ -70,6 +73,8 @@ class Knobs:
     fail_after: int | None = None  # a mid-stream error event after N token events
     stall_after: int | None = None  # stop sending (but keep the connection) after N token events
     reject_status: int | None = None  # answer the first result with this HTTP error
+    drop_connections: int = 0  # close the next N inference connections without answering
+    drop_after: int | None = None  # close the connection mid-stream after N token events
     prefill_ms_per_token: float = 0.5
     decode_ms_per_token: float = 10.0
 
@@ -121,9 +126,24 @@ class FakeBackend:
         self.last_query: Mapping[str, str] = {}
         self.closed = asyncio.Event()  # an unfinished response was abandoned by the client
         self.finished = asyncio.Event()  # a streamed response ran to its end
+        self.received = asyncio.Event()  # a request was captured (tests clear it to wait again)
         self._seen: list[list[str]] = []
         self.url = ""  # set by the fixture once the server listens
         self._created = int(time.time())
+        # Health and load as the server reports them (``/health``, ``/slots``, ``/metrics``).
+        self.health_status = 200
+        self.health_checks = 0
+        self.load_running = 0
+        self.load_waiting = 0
+        self.serve_slots = False  # llama.cpp: /slots (on in a real server unless --no-slots)
+        self.serve_metrics = False  # /metrics (llama.cpp needs --metrics; vLLM always has it)
+
+    async def wait_requests(self, n: int, limit_s: float = 5.0) -> None:
+        """Wait until at least ``n`` requests have been received."""
+        async with asyncio.timeout(limit_s):
+            while len(self.requests) < n:
+                self.received.clear()
+                await self.received.wait()
 
     def forget(self) -> None:
         """Empty the prompt cache (so a direct request sees what the proxied one saw)."""
@@ -148,6 +168,12 @@ class FakeBackend:
             return self.error_response(400, "request body must be an object")
         self.last_body = body
         self.requests.append(body)
+        self.received.set()
+        if self.knobs.drop_connections > 0:
+            self.knobs.drop_connections -= 1
+            if request.transport is not None:
+                request.transport.close()  # the proxy sees the connection reset, no status line
+            return web.Response(status=500)
         return body
 
     def cache_lookup(self, body: Mapping[str, Any]) -> tuple[int, int]:
@@ -228,6 +254,11 @@ class FakeBackend:
                         return resp
                     if k.stall_after is not None and i == k.stall_after:
                         await self._stall()
+                    if k.drop_after is not None and i == k.drop_after:
+                        if request.transport is not None:
+                            request.transport.close()
+                        self.closed.set()
+                        return resp
                     if k.token_delay_s and i > 0:
                         await self._pause(k.token_delay_s)
                 await resp.write(event)
@@ -262,6 +293,8 @@ class LlamaFake(FakeBackend):
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/completion", self.native)
+        app.router.add_get("/slots", self.slots)
+        app.router.add_get("/metrics", self.metrics)
         return app
 
     def error_response(self, status: int, message: str) -> web.Response:
@@ -270,8 +303,54 @@ class LlamaFake(FakeBackend):
         return web.json_response(body, status=status)
 
     async def health(self, request: web.Request) -> web.Response:
+        self.health_checks += 1
+        if self.health_status != 200:
+            body = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+            return web.json_response(body, status=self.health_status)
         self.last_query = dict(request.query)
         return web.json_response({"status": "ok"})
+
+    async def slots(self, request: web.Request) -> web.Response:
+        if not self.serve_slots:
+            return self._not_supported("This server does not support slots endpoint.")
+        return web.json_response(
+            [
+                {
+                    "id": i,
+                    "n_ctx": self.n_ctx,
+                    "speculative": False,
+                    "is_processing": i < self.load_running,
+                }
+                for i in range(self.total_slots)
+            ]
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if not self.serve_metrics:
+            return self._not_supported(
+                "This server does not support metrics endpoint. Start it with `--metrics`"
+            )
+        gauges = [
+            ("prompt_tokens_total", "counter", 6886),
+            ("prompt_tokens_seconds", "gauge", 2.37151),
+            ("requests_processing", "gauge", self.load_running),
+            ("requests_deferred", "gauge", self.load_waiting),
+            ("n_busy_slots_per_decode", "gauge", 1),
+        ]
+        lines: list[str] = []
+        for name, kind, value in gauges:
+            lines += [
+                f"# HELP llamacpp:{name} {name}.",
+                f"# TYPE llamacpp:{name} {kind}",
+                f"llamacpp:{name} {value}",
+            ]
+        return web.Response(
+            text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8"
+        )
+
+    def _not_supported(self, message: str) -> web.Response:
+        body = {"error": {"code": 501, "message": message, "type": "not_supported_error"}}
+        return web.json_response(body, status=501)
 
     async def props(self, request: web.Request) -> web.Response:
         self.last_query = dict(request.query)
@@ -478,6 +557,7 @@ class VllmFake(FakeBackend):
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/metrics", self.metrics)
         return app
 
     def error_response(self, status: int, message: str) -> web.Response:
@@ -486,7 +566,32 @@ class VllmFake(FakeBackend):
         return web.json_response(body, status=status)
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        self.health_checks += 1
+        return web.Response(status=self.health_status)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text as vLLM's V1 engine writes it (labels per model and engine)."""
+        if not self.serve_metrics:
+            return web.Response(status=404, text="Not Found")
+        label = f'engine="0",model_name="{MODEL}"'
+        text = (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{{{label}}} {float(self.load_running)}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{{{label}}} {float(self.load_waiting)}\n"
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f"vllm:kv_cache_usage_perc{{{label}}} 0.25\n"
+            "# HELP vllm:time_to_first_token_seconds Histogram of time to first token.\n"
+            "# TYPE vllm:time_to_first_token_seconds histogram\n"
+            f'vllm:time_to_first_token_seconds_bucket{{{label},le="0.001"}} 0.0\n'
+            f'vllm:time_to_first_token_seconds_bucket{{{label},le="+Inf"}} 3.0\n'
+            f"vllm:time_to_first_token_seconds_count{{{label}}} 3.0\n"
+            f"vllm:time_to_first_token_seconds_sum{{{label}}} 0.42\n"
+        )
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": "0.11.0"})
@@ -642,6 +747,304 @@ class VllmFake(FakeBackend):
         )
 
 
+class _ComputeShare:
+    """A backend's compute, shared between concurrent prefills: two at once take twice as long.
+
+    Work is done in small chunks under a FIFO lock, so concurrent prefills interleave.
+    """
+
+    CHUNK = 16
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+
+    async def prefill(self, tokens: int, ms_per_token: float) -> None:
+        left = tokens
+        while left > 0:
+            n = min(left, self.CHUNK)
+            async with self._lock:
+                await asyncio.sleep(n * ms_per_token / 1000.0)
+            left -= n
+
+
+# What the slot-aware fakes computed for the request being answered (read by the base handlers).
+_SLOT_COUNTS: ContextVar[tuple[int, int] | None] = ContextVar("fake_slot_counts", default=None)
+_SERVING_SLOT: ContextVar[int | None] = ContextVar("fake_serving_slot", default=None)
+_APC_COUNTS: ContextVar[tuple[int, int] | None] = ContextVar("fake_apc_counts", default=None)
+
+
+class SlotLlamaFake(LlamaFake):
+    """llama-server with one prompt cache per slot, as the real one schedules them.
+
+    A request's cached tokens are its common prefix with *its slot's* last prompt (not with any
+    prompt seen, as in ``LlamaFake``). ``id_slot`` pins a request to a slot and a busy pinned slot
+    defers it until free; an unpinned request takes the idle slot whose prompt is most similar
+    (more than 10 % shared), else the least recently used one, and waits when none is idle.
+    Prefill takes ``prefill_ms_per_token`` per uncached word, shared between concurrent prefills;
+    answers are paced by ``token_delay_s`` (non-streamed answers too). ``GET /slots`` is served
+    (``is_processing``, ``id_task``), and with ``slot_save`` ``POST /slots/{id}?action=save`` and
+    ``?action=restore`` copy a slot through a named file (a save waits while its slot is busy).
+    ``prompt_processed`` counts the prompt words prefilled; native responses carry ``id_slot``.
+    """
+
+    def __init__(
+        self, knobs: Knobs | None = None, *, slots: int = 4, slot_save: bool = False
+    ) -> None:
+        super().__init__(knobs)
+        self.total_slots = slots
+        self.serve_slots = True
+        self.slot_save = slot_save
+        self.slot_words: list[list[str]] = [[] for _ in range(slots)]
+        self.slot_busy = [False] * slots
+        self.slot_task: list[int | None] = [None] * slots
+        self.slot_used = [0] * slots
+        self.assigned: list[int] = []  # the slot of every request, in arrival order of service
+        self.prompt_processed = 0
+        self.saves = 0
+        self.restores = 0
+        self._files: dict[str, list[str]] = {}
+        self._freed = asyncio.Condition()
+        self._compute = _ComputeShare()
+        self._tick = 0
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_post("/slots/{id}", self.slot_action)
+        return app
+
+    # -- slot choice -----------------------------------------------------------------------------
+
+    def _pick(self, words: list[str], pinned: int | None) -> int | None:
+        if pinned is not None:
+            return None if self.slot_busy[pinned] else pinned
+        idle = [i for i in range(self.total_slots) if not self.slot_busy[i]]
+        if not idle:
+            return None
+        similar = [
+            (common_prefix(words, self.slot_words[i]) / max(len(words), 1), i)
+            for i in idle
+            if self.slot_words[i]
+        ]
+        best = max(similar, default=(0.0, -1))
+        if best[0] > 0.1:
+            return best[1]
+        return min(idle, key=lambda i: self.slot_used[i])
+
+    async def _acquire(self, words: list[str], pinned: int | None) -> int:
+        async with self._freed:
+            while (slot := self._pick(words, pinned)) is None:
+                await self._freed.wait()
+            self.slot_busy[slot] = True
+            self._tick += 1
+            self.slot_task[slot] = self._tick
+            self.slot_used[slot] = self._tick
+            self.assigned.append(slot)
+            return slot
+
+    async def _release(self, slot: int) -> None:
+        async with self._freed:
+            self.slot_busy[slot] = False
+            self._freed.notify_all()
+
+    async def _on_slot(
+        self,
+        request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return await handler(request)
+        if not isinstance(body, dict) or self.knobs.reject_status is not None:
+            return await handler(request)
+        words = prompt_words(body)
+        pinned = body.get("id_slot")
+        pinned = pinned % self.total_slots if isinstance(pinned, int) and pinned >= 0 else None
+        slot = await self._acquire(words, pinned)
+        try:
+            cached = min(common_prefix(words, self.slot_words[slot]), max(len(words) - 1, 0))
+            self.slot_words[slot] = words[:cached]
+            await self._compute.prefill(len(words) - cached, self.knobs.prefill_ms_per_token)
+            self.prompt_processed += len(words) - cached
+            self.slot_words[slot] = words
+            _SLOT_COUNTS.set((len(words), cached))
+            if body.get("stream") is not True and self.knobs.token_delay_s:
+                await self._pause(self.knobs.token_delay_s * max(len(self.knobs.tokens) - 1, 0))
+            return await self._with_slot(request, handler, slot, stream=body.get("stream") is True)
+        finally:
+            await self._release(slot)
+
+    async def _with_slot(
+        self,
+        request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+        slot: int,
+        *,
+        stream: bool,
+    ) -> web.StreamResponse:
+        token = _SERVING_SLOT.set(slot)
+        try:
+            resp = await handler(request)
+        finally:
+            _SERVING_SLOT.reset(token)
+        if not stream and isinstance(resp, web.Response) and resp.body is not None:
+            obj = orjson.loads(bytes(resp.body))  # type: ignore[arg-type]  # bytes payload
+            if isinstance(obj, dict) and "id_slot" in obj:
+                obj["id_slot"] = slot
+                return web.json_response(obj)
+        return resp
+
+    def _counts(self, body: Mapping[str, Any]) -> tuple[int, int]:
+        counts = _SLOT_COUNTS.get()
+        return counts if counts is not None else super()._counts(body)
+
+    async def _run_stream(
+        self,
+        request: web.Request,
+        events: list[bytes],
+        *,
+        token_events: int,
+        lead: list[bytes],
+        error_event: bytes,
+        error_tail: bytes,
+    ) -> web.StreamResponse:
+        slot = _SERVING_SLOT.get()
+        if slot is not None:  # native stream events name the slot
+            events = [e.replace(b'"id_slot":0,', b'"id_slot":%d,' % slot) for e in events]
+        return await super()._run_stream(
+            request,
+            events,
+            token_events=token_events,
+            lead=lead,
+            error_event=error_event,
+            error_tail=error_tail,
+        )
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._on_slot(request, super().chat)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._on_slot(request, super().completions)
+
+    async def native(self, request: web.Request) -> web.StreamResponse:
+        return await self._on_slot(request, super().native)
+
+    # -- /slots ----------------------------------------------------------------------------------
+
+    async def slots(self, request: web.Request) -> web.Response:
+        if not self.serve_slots:
+            return self._not_supported("This server does not support slots endpoint.")
+        out: list[dict[str, Any]] = []
+        for i in range(self.total_slots):
+            entry: dict[str, Any] = {
+                "id": i,
+                "n_ctx": self.n_ctx,
+                "speculative": False,
+                "is_processing": self.slot_busy[i],
+            }
+            if self.slot_task[i] is not None:
+                entry["id_task"] = self.slot_task[i]
+                entry["n_prompt_tokens"] = len(self.slot_words[i])
+            out.append(entry)
+        return web.json_response(out)
+
+    async def slot_action(self, request: web.Request) -> web.Response:
+        if not self.slot_save:
+            return self._not_supported(
+                "This server does not support slots action. Start it with `--slot-save-path`"
+            )
+        slot = int(request.match_info["id"]) % self.total_slots
+        body = orjson.loads(await request.read())
+        filename = str(body.get("filename", ""))
+        action = request.query.get("action")
+        if action == "save":
+            async with self._freed:
+                while self.slot_busy[slot]:
+                    await self._freed.wait()
+                self._files[filename] = list(self.slot_words[slot])
+            self.saves += 1
+            n = len(self._files[filename])
+            return web.json_response(
+                {"id_slot": slot, "filename": filename, "n_saved": n, "n_written": 64 * n}
+            )
+        if action == "restore":
+            if filename not in self._files:
+                return self.error_response(400, "failed to restore slot")
+            async with self._freed:
+                while self.slot_busy[slot]:
+                    await self._freed.wait()
+                self.slot_words[slot] = list(self._files[filename])
+            self.restores += 1
+            n = len(self.slot_words[slot])
+            return web.json_response(
+                {"id_slot": slot, "filename": filename, "n_restored": n, "n_read": 64 * n}
+            )
+        return self.error_response(400, "Invalid action")
+
+
+class ApcVllmFake(VllmFake):
+    """vLLM with automatic prefix caching, as its cost works out.
+
+    The prompt is cut into full blocks of 16 words; a block is computed by every request that
+    does not find it cached when its prefill starts, and becomes cached when that prefill ends.
+    So requests that arrive together with the same new prefix both compute every block of it,
+    and a request that arrives after the first one's prefill computes only what it adds.
+    Prefill takes ``prefill_ms_per_token`` per computed word, shared between concurrent
+    prefills; ``computed_tokens`` counts the words prefilled. Cached tokens are reported
+    (``prompt_tokens_details``) unless told otherwise.
+    """
+
+    BLOCK = 16
+
+    def __init__(self, knobs: Knobs | None = None, *, prompt_tokens_details: bool = True) -> None:
+        super().__init__(knobs, prompt_tokens_details=prompt_tokens_details)
+        self.cached_blocks: set[int] = set()
+        self.computed_tokens = 0
+        self._compute = _ComputeShare()
+
+    def _block_keys(self, words: list[str]) -> list[int]:
+        keys: list[int] = []
+        h = 0
+        for i in range(len(words) // self.BLOCK):
+            h = hash((h, tuple(words[i * self.BLOCK : (i + 1) * self.BLOCK])))
+            keys.append(h)
+        return keys
+
+    async def _apc(
+        self,
+        request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return await handler(request)
+        if not isinstance(body, dict) or self.knobs.reject_status is not None:
+            return await handler(request)
+        words = prompt_words(body)
+        keys = self._block_keys(words)
+        hit = 0
+        while hit < len(keys) and keys[hit] in self.cached_blocks:
+            hit += 1
+        cached = min(hit * self.BLOCK, max(len(words) - 1, 0) // self.BLOCK * self.BLOCK)
+        computed = len(words) - cached
+        await self._compute.prefill(computed, self.knobs.prefill_ms_per_token)
+        self.computed_tokens += computed
+        self.cached_blocks.update(keys)
+        _APC_COUNTS.set((len(words), cached))
+        return await handler(request)
+
+    def cache_lookup(self, body: Mapping[str, Any]) -> tuple[int, int]:
+        counts = _APC_COUNTS.get()
+        return counts if counts is not None else super().cache_lookup(body)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._apc(request, super().chat)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._apc(request, super().completions)
+
+
 def sse_events(raw: bytes) -> list[bytes]:
     """A complete SSE body cut into its events (each with its blank line)."""
     return [e + b"\n\n" for e in raw.split(b"\n\n") if e]
@@ -654,6 +1057,33 @@ def sse_payloads(raw: bytes) -> list[Any]:
         for e in sse_events(raw)
         if e.startswith(b"data: ") and not e.startswith(b"data: [DONE]")
     ]
+
+
+def backend_specs(*fakes: FakeBackend, weights: Sequence[float] = ()) -> tuple[BackendSpec, ...]:
+    """``Settings.backends`` for a proxy in front of several fakes, optionally weighted."""
+    given = list(weights) or [1.0] * len(fakes)
+    return tuple(BackendSpec(url=f.url, weight=w) for f, w in zip(fakes, given, strict=True))
+
+
+async def fleet_proxy(
+    make_proxy: MakeProxy,
+    *fakes: FakeBackend,
+    policy: str = "prefix-affinity",
+    weights: Sequence[float] = (),
+    **overrides: Any,
+) -> tuple[ProxyClient, RecordLog, web.Application]:
+    """The proxy in front of several fakes with ``policy``.
+
+    The background health monitor is parked (an hour between rounds); tests run a round with
+    ``app[STATE].fleet.check_all()`` when they want one.
+    """
+    overrides.setdefault("health", HealthChecks(interval_s=3600.0))
+    return await make_proxy(
+        fakes[0].url,
+        backends=backend_specs(*fakes, weights=weights),
+        routing=RoutingConfig(policy=policy),
+        **overrides,
+    )
 
 
 async def serve(fake: FakeBackendT, aiohttp_server: Any) -> FakeBackendT:

@@ -1,0 +1,45 @@
+"""The scheduling switches, one frozen value built once from the settings.
+
+``slot_scheduling`` (llama.cpp): ``auto`` pins requests to slots on every llama.cpp replica with
+two or more slots and steps back (lets llama.cpp choose) while ``/slots`` shows traffic that did
+not come through this proxy, since the proxy's picture of the slots is then unreliable; ``on``
+keeps pinning regardless; ``off`` never sets ``id_slot``.
+
+``coalesce`` (servers with one prefix cache for all requests: vLLM and other OpenAI-compatible
+servers): a request whose prefix an in-flight request is prefilling right now waits, at most
+``coalesce_max_wait_ms``, for that request's first token, then hits the cache.
+
+``fanout`` (llama.cpp started with ``--slot-save-path``): a hot prefix held by a busy slot is copied
+into an idle slot (``POST /slots/{id}?action=save`` then ``?action=restore``) so the requests that
+share it decode in parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SLOT_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulingConfig:
+    """How requests are placed on a replica once routing has chosen it."""
+
+    slot_scheduling: str = "auto"
+    coalesce: bool = True
+    coalesce_max_wait_ms: float = 2000.0
+    fanout: bool = False
+    min_prefix_tokens: int = 256
+    """A shared prefix shorter than this is not worth a wait (coalescing) or a copy (fan-out)."""
+    slots_poll_s: float = 2.0
+    """How often ``GET /slots`` is read on a llama.cpp replica the proxy pins (0: never)."""
+    foreign_backoff_s: float = 60.0
+    """``auto``: how long pinning stays off after traffic from elsewhere was seen on a replica."""
+
+    def __post_init__(self) -> None:
+        if self.slot_scheduling not in SLOT_MODES:
+            raise ValueError(f"slot scheduling must be one of {', '.join(SLOT_MODES)}")
+        if self.coalesce_max_wait_ms < 0:
+            raise ValueError("the coalescing wait must not be negative")
+        if self.min_prefix_tokens < 1:
+            raise ValueError("the minimum prefix must be at least one token")

@@ -1,0 +1,465 @@
+"""The scheduler: between the routing decision and the relay, where on the replica a request goes.
+
+``Scheduler.admit`` is called once a replica has been chosen, with the body about to be sent:
+
+* llama.cpp replica with slot scheduling on: the request is pinned to a slot (``id_slot`` set in
+  the body) as ``SlotTable.choose`` decides, and recorded there so the next decision knows what
+  the slot will hold. With fan-out on, a request that would queue behind a busy slot holding its
+  prefix waits for that slot's running request to end, and then gets a copy of the slot in an
+  idle one (``slot_fanout``), so the requests sharing the prefix decode side by side.
+* a replica with one shared prefix cache (vLLM, other OpenAI-compatible servers) with coalescing
+  on: the request may be held until an in-flight request has prefilled its prefix (``coalesce``).
+
+It returns a ``Ticket``, which the relay tells about the first token (``Ticket.first_token``,
+with the event that carried it, for llama.cpp's ``id_slot``) and the handler about the end
+(``Ticket.end``). ``Scheduler.annotate`` writes the decision into the record
+(``schedule_reason``, ``slot``, ``held_ms``) and learns the replica's rates from it.
+
+The picture of each llama.cpp replica's slots is this process's own, corrected by reading
+``/slots`` in the background: traffic from elsewhere (other proxies, clients calling the server
+directly) makes a slot's content unknown, and in ``auto`` mode turns pinning off on that replica
+for a while (``slot_foreign``), since the picture can no longer be trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from proxy.log import get_logger
+from proxy.records import RequestRecord, monotonic
+from proxy.scheduling.coalesce import InflightPrefixes, Leader, wait_for_leader
+from proxy.scheduling.config import SchedulingConfig
+from proxy.scheduling.rates import Rates
+from proxy.scheduling.slot_api import SlotEndpoint
+from proxy.scheduling.slots import (
+    SLOT_CLIENT,
+    SLOT_FANOUT,
+    SLOT_FOREIGN,
+    SLOT_HIT,
+    SLOT_PLACE,
+    SLOT_QUEUE,
+    SlotChoice,
+    SlotRequest,
+    SlotTable,
+    SlotTask,
+)
+
+if TYPE_CHECKING:
+    from proxy.fleet import Replica
+    from proxy.prefixes import PrefixView
+
+log = get_logger()
+
+LEAD = "lead"
+COALESCED = "coalesced"
+COALESCE_TIMEOUT = "coalesce_timeout"
+REASONS = (
+    "slot_hit",
+    "slot_queue",
+    "slot_place",
+    "slot_parallel",
+    "slot_busy",
+    "slot_client",
+    "slot_foreign",
+    "slot_fanout",
+    LEAD,
+    COALESCED,
+    COALESCE_TIMEOUT,
+)
+OUTPUT_LIMIT_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict")
+SNAPSHOT_FILE = "prefixgate-slot{slot}.bin"
+
+
+def requested_output(body: Mapping[str, Any]) -> float | None:
+    """The output-token limit the request set (``max_tokens`` and its spellings), if any."""
+    for name in OUTPUT_LIMIT_FIELDS:
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return float(value)
+    return None
+
+
+def _client_slot(body: Mapping[str, Any]) -> int | None:
+    value = body.get("id_slot")
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    """What the scheduler keeps per replica."""
+
+    url: str
+    rates: Rates = field(default_factory=Rates)
+    table: SlotTable | None = None
+    inflight: InflightPrefixes = field(default_factory=InflightPrefixes)
+    endpoint: SlotEndpoint | None = None
+    foreign_seen: float = -math.inf
+    saved: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Per slot, the content its snapshot file holds (fan-out)."""
+    fanout_waiting: dict[int, int] = field(default_factory=dict)
+    """Per slot, requests waiting for it to end to take it or a copy of it (fan-out)."""
+    fanout_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One request's scheduling: the decision, and the hooks that keep the picture current."""
+
+    state: ReplicaState | None = None
+    reason: str | None = None
+    slot: int | None = None
+    held_ms: float = 0.0
+    task: SlotTask | None = None
+    leader: Leader | None = None
+    body_changed: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def first_token(self, event: Mapping[str, Any]) -> None:
+        """The backend's first token arrived (``event``: the event or response carrying it)."""
+        state = self.state
+        if state is None:
+            return
+        now = monotonic()
+        if self.task is not None and state.table is not None:
+            reported = event.get("id_slot")
+            reported = reported if isinstance(reported, int) and reported >= 0 else None
+            state.table.first_token(self.task, now, reported)
+            if self.task.slot is not None:
+                self.slot = self.task.slot
+        if self.leader is not None:
+            state.inflight.release(self.leader)
+            self.leader = None
+
+    def end(self, *, ok: bool) -> None:
+        """The request ended (``ok``: it succeeded); its slot and its blocks are released."""
+        if self.ended.is_set():
+            return
+        self.ended.set()
+        state = self.state
+        if state is None:
+            return
+        if self.task is not None and state.table is not None:
+            state.table.end(self.task, monotonic(), ok=ok)
+        if self.leader is not None:
+            state.inflight.release(self.leader)
+            self.leader = None
+
+
+class Scheduler:
+    """Per-replica slot tables, in-flight prefixes and rates, and the decisions made with them."""
+
+    def __init__(
+        self,
+        config: SchedulingConfig,
+        *,
+        tokens_per_byte: Callable[[str | None], float],
+    ) -> None:
+        self.config = config
+        self._tokens_per_byte = tokens_per_byte
+        self._states: dict[str, ReplicaState] = {}
+        self._tickets: dict[int, Ticket] = {}
+        self._replicas: Sequence[Replica] = ()
+        self._session: aiohttp.ClientSession | None = None
+        self._headers: dict[str, str] = {}
+        self._poller: asyncio.Task[None] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(
+        self,
+        session: aiohttp.ClientSession,
+        replicas: Sequence[Replica],
+        *,
+        backend_api_key: str | None = None,
+    ) -> None:
+        """Remember the replicas and start reading ``/slots`` of those the proxy pins."""
+        self._session = session
+        self._replicas = replicas
+        if backend_api_key:
+            self._headers = {"Authorization": f"Bearer {backend_api_key}"}
+        if self.config.slot_scheduling != "off" and self.config.slots_poll_s > 0:
+            self._poller = asyncio.create_task(self._poll_slots())
+
+    async def aclose(self) -> None:
+        """Stop the ``/slots`` reader; safe to call more than once."""
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+
+    def state(self, url: str) -> ReplicaState:
+        """The scheduler's state for one replica (created on first use)."""
+        state = self._states.get(url)
+        if state is None:
+            state = self._states[url] = ReplicaState(url=url)
+        return state
+
+    # -- which feature applies -----------------------------------------------------------------
+
+    def pins(self, replica: Replica) -> bool:
+        """Whether requests to ``replica`` are pinned to slots."""
+        mode = self.config.slot_scheduling
+        info = replica.info
+        if mode == "off" or replica.dialect.name != "llamacpp" or info is None or not info.slots:
+            return False
+        return info.slots >= 2 or mode == "on"
+
+    def coalesces(self, replica: Replica) -> bool:
+        """Whether requests to ``replica`` may wait for an in-flight prefill of their prefix."""
+        return self.config.coalesce and replica.dialect.name != "llamacpp"
+
+    def _table(self, state: ReplicaState, replica: Replica) -> SlotTable:
+        info = replica.info
+        assert info is not None and info.slots
+        if state.table is None or len(state.table.slots) != info.slots:
+            state.table = SlotTable(info.slots, info.ctx_per_slot)
+        if state.endpoint is None and self._session is not None:
+            state.endpoint = SlotEndpoint(self._session, replica.url, headers=self._headers)
+        return state.table
+
+    # -- the decision --------------------------------------------------------------------------
+
+    async def admit(
+        self,
+        key: object,
+        replica: Replica,
+        view: PrefixView | None,
+        body: MutableMapping[str, Any],
+        *,
+        model: str | None,
+        stream: bool,
+    ) -> Ticket:
+        """Decide where on ``replica`` the request goes; may wait (coalescing, fan-out).
+
+        ``key`` identifies the request until ``annotate`` (the handler's exchange object). When
+        the request is pinned, ``body["id_slot"]`` is set and ``Ticket.body_changed`` is True.
+        """
+        ticket = Ticket()
+        self._tickets[id(key)] = ticket
+        if view is None or not (self.pins(replica) or self.coalesces(replica)):
+            return ticket
+        state = self.state(replica.url)
+        ticket.state = state
+        tpb = self._tokens_per_byte(model)
+        fp = view.fp
+        prompt_tokens = max(fp.total_bytes * tpb, 1.0)
+        tokens_per_block = fp.block_bytes * tpb
+        if self.pins(replica):
+            output = requested_output(body) or state.rates.typical_completion
+            req = SlotRequest(
+                hashes=fp.block_hashes,
+                prompt_tokens=prompt_tokens,
+                decode_tokens=output,
+                tokens_per_block=tokens_per_block,
+            )
+            await self._pin(ticket, state, self._table(state, replica), req, body)
+        else:
+            cached = view.matched_for(replica.url)
+            await self._coalesce(
+                ticket, state, fp.block_hashes[cached:], tokens_per_block, stream=stream
+            )
+        return ticket
+
+    async def _pin(
+        self,
+        ticket: Ticket,
+        state: ReplicaState,
+        table: SlotTable,
+        req: SlotRequest,
+        body: MutableMapping[str, Any],
+    ) -> None:
+        now = monotonic()
+        client = _client_slot(body)
+        choice: SlotChoice
+        copied: SlotChoice | None = None
+        if client is not None:
+            slot = client % len(table.slots)
+            matched = table.matched_tokens(req, table.slots[slot].holds_after_queue())
+            choice = SlotChoice(slot, SLOT_CLIENT, matched, req.prompt_tokens - matched, 0.0)
+        elif (
+            self.config.slot_scheduling == "auto"
+            and now - state.foreign_seen < self.config.foreign_backoff_s
+        ):
+            choice = SlotChoice(None, SLOT_FOREIGN, 0.0, req.prompt_tokens, 0.0)
+        else:
+            useful = float(self.config.min_prefix_tokens)
+            choice = table.choose(req, state.rates, now, useful_tokens=useful)
+        task = SlotTask(
+            hashes=req.hashes,
+            prompt_tokens=req.prompt_tokens,
+            uncached_tokens=choice.uncached_tokens,
+            decode_tokens=req.decode_tokens,
+            t_sent=now,
+        )
+        ticket.task = task  # from here on, the ticket's end takes it out of the table
+        if self.config.fanout and choice.reason == SLOT_QUEUE and choice.slot is not None:
+            t0 = monotonic()
+            copied = await self._fan_out(state, table, req, choice, task)
+            ticket.held_ms = (monotonic() - t0) * 1000.0
+            task.t_sent = monotonic()
+            if copied is not None:  # the task is placed already
+                choice = copied
+        if copied is None:
+            table.place(task, choice.slot, task.t_sent)  # before any await: the next one sees it
+        ticket.reason = choice.reason
+        ticket.slot = choice.slot
+        if choice.slot is not None and client is None:
+            body["id_slot"] = choice.slot
+            ticket.body_changed = True
+
+    async def _coalesce(
+        self,
+        ticket: Ticket,
+        state: ReplicaState,
+        hashes: tuple[int, ...],
+        tokens_per_block: float,
+        *,
+        stream: bool,
+    ) -> None:
+        """Wait for a leader prefilling ``hashes`` (the blocks the index does not say are cached),
+        then lead the blocks nobody is computing."""
+        ticket.reason = LEAD
+        leader, shared = state.inflight.shared(hashes)
+        if leader is not None and shared * tokens_per_block >= self.config.min_prefix_tokens:
+            t0 = monotonic()
+            cached = await wait_for_leader(leader, self.config.coalesce_max_wait_ms / 1000.0)
+            ticket.held_ms = (monotonic() - t0) * 1000.0
+            ticket.reason = COALESCED if cached else COALESCE_TIMEOUT
+        expected_s = len(hashes) * tokens_per_block * state.rates.prefill_s
+        ticket.leader = state.inflight.lead(hashes, streamed=stream, expected_prefill_s=expected_s)
+
+    # -- fan-out -------------------------------------------------------------------------------
+
+    async def _fan_out(
+        self,
+        state: ReplicaState,
+        table: SlotTable,
+        req: SlotRequest,
+        choice: SlotChoice,
+        task: SlotTask,
+    ) -> SlotChoice | None:
+        """Wait for the busy holder's request to end, then take the holder or a copy of it.
+
+        Returns None to queue behind the holder as ``choice`` said. Otherwise ``task`` has been
+        placed on the slot returned (before any copy is awaited, so no other request takes it).
+        The holder is saved only when other requests wait for it too, or to make a copy.
+        """
+        endpoint = state.endpoint
+        assert choice.slot is not None
+        holder = table.slots[choice.slot]
+        if endpoint is None or not endpoint.save_supported or len(holder.tasks) != 1:
+            return None
+        if not any(s.idle(monotonic()) for s in table.slots if s is not holder):
+            return None
+        running = self._ticket_of(holder.tasks[0])
+        if running is None:
+            return None
+        waiting = state.fanout_waiting
+        waiting[holder.id] = waiting.get(holder.id, 0) + 1
+        try:
+            await running.ended.wait()
+            content = holder.content
+            if not content or table.matched_tokens(req, content) < self.config.min_prefix_tokens:
+                return None
+            async with state.fanout_lock:
+                others = waiting[holder.id] - 1
+                if holder.idle(monotonic()) and holder.content == content:
+                    if others:  # they will need a copy once this request holds the slot
+                        await self._snapshot(state, endpoint, holder.id, content)
+                    target, reason = holder, SLOT_HIT
+                else:
+                    # A busy slot cannot be saved until it is idle: copy only a saved content.
+                    idle = [s for s in table.slots if s.idle(monotonic())]
+                    if state.saved.get(holder.id) != content or not idle:
+                        return None
+                    target = min(idle, key=lambda s: (bool(s.content), s.last_used, s.id))
+                    reason = SLOT_FANOUT
+                matched = table.matched_tokens(req, content)
+                task.uncached_tokens = req.prompt_tokens - matched
+                table.place(task, target.id, monotonic())
+                if reason == SLOT_FANOUT:
+                    filename = SNAPSHOT_FILE.format(slot=holder.id)
+                    if await endpoint.restore(target.id, filename):
+                        target.content = content
+                    else:  # it runs there all the same, from whatever the slot holds
+                        reason, matched = SLOT_PLACE, 0.0
+        finally:
+            waiting[holder.id] -= 1
+        return SlotChoice(target.id, reason, matched, req.prompt_tokens - matched, 0.0)
+
+    async def _snapshot(
+        self, state: ReplicaState, endpoint: SlotEndpoint, slot: int, content: tuple[int, ...]
+    ) -> bool:
+        """Make sure slot ``slot``'s snapshot file holds ``content`` (one save per content)."""
+        if state.saved.get(slot) == content:
+            return True
+        if not await endpoint.save(slot, SNAPSHOT_FILE.format(slot=slot)):
+            state.saved.pop(slot, None)
+            return False
+        state.saved[slot] = content
+        return True
+
+    def _ticket_of(self, task: SlotTask) -> Ticket | None:
+        return next((t for t in self._tickets.values() if t.task is task), None)
+
+    # -- after the response --------------------------------------------------------------------
+
+    def annotate(self, record: RequestRecord, key: object) -> None:
+        """Write the decision into ``record`` and learn the replica's rates from it.
+
+        ``schedule_reason`` and ``held_ms`` are written for every request a scheduling feature
+        applied to, ``slot`` when the request was pinned or its slot became known. Time held is
+        taken out of ``proxy_overhead_ms``: it is a decision, and it shows in the TTFT.
+        """
+        ticket = self._tickets.pop(id(key), None)
+        if ticket is not None:
+            ticket.end(ok=record.status < 400 and record.error is None)
+            if ticket.reason is not None:
+                record.extra["schedule_reason"] = ticket.reason
+                record.extra["held_ms"] = round(ticket.held_ms, 3)
+                overhead = record.proxy_overhead_ms - ticket.held_ms
+                record.proxy_overhead_ms = round(max(overhead, 0.0), 3)
+                if ticket.slot is not None:
+                    record.extra["slot"] = ticket.slot
+        if record.backend is not None and record.backend in self._states:
+            self._states[record.backend].rates.observe(record)
+
+    # -- /slots --------------------------------------------------------------------------------
+
+    async def _poll_slots(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.slots_poll_s)
+            for replica in self._replicas:
+                state = self._states.get(replica.url)
+                if state is None or state.table is None or state.endpoint is None:
+                    continue
+                if not state.endpoint.slots_supported or not self.pins(replica):
+                    continue
+                try:
+                    await self.refresh(state)
+                except Exception:  # the reader must outlive any one odd answer
+                    log.exception("slots_read_failed", backend=replica.url)
+
+    async def refresh(self, state: ReplicaState) -> None:
+        """Read one replica's ``/slots`` and fold it into its table."""
+        if state.endpoint is None or state.table is None:
+            return
+        observed = await state.endpoint.read()
+        if observed is None:
+            return
+        now = monotonic()
+        hold_s = 2.0 * max(self.config.slots_poll_s, 0.5)
+        if state.table.reconcile(observed, now, hold_s=hold_s):
+            if now - state.foreign_seen >= self.config.foreign_backoff_s:
+                log.info("slots_foreign_traffic", backend=state.url)
+            state.foreign_seen = now

@@ -1,0 +1,101 @@
+"""llama-server's slot endpoints, as the scheduler uses them.
+
+* ``GET /slots``: per slot ``id``, ``n_ctx``, ``is_processing`` and, once it ran a task,
+  ``id_task`` and ``n_prompt_tokens``. On by default (``--no-slots`` turns it off: 501).
+* ``POST /slots/{id}?action=save`` ``{"filename": ...}`` writes the slot's KV cache to a file in
+  the server's ``--slot-save-path``; ``?action=restore`` loads such a file into a slot. Without
+  ``--slot-save-path`` both answer an error. A save of a busy slot waits until the slot is idle.
+
+Every call is bounded and returns None (or False) on any failure: slot scheduling degrades to
+leaving the choice to the server, it never fails a request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from proxy.log import get_logger
+
+log = get_logger()
+
+UNSUPPORTED = (404, 405, 501)  # "this server does not do that", not "try again later"
+
+
+class SlotEndpoint:
+    """The slot endpoints of one llama-server."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float = 2.0,
+    ) -> None:
+        self._session = session
+        self.url = url
+        self._headers = dict(headers or {})
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.slots_supported = True
+        self.save_supported = True
+
+    async def read(self) -> list[Mapping[str, Any]] | None:
+        """The ``/slots`` list, or None (unavailable now; ``slots_supported`` says if ever)."""
+        try:
+            async with self._session.get(
+                self.url + "/slots", headers=self._headers, timeout=self._timeout
+            ) as resp:
+                if resp.status in UNSUPPORTED:
+                    self.slots_supported = False
+                    return None
+                if resp.status != 200:
+                    return None
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        if not isinstance(data, list):
+            return None
+        return [e for e in data if isinstance(e, Mapping)]
+
+    async def _action(self, slot: int, action: str, filename: str, limit_s: float) -> bool:
+        try:
+            async with self._session.post(
+                f"{self.url}/slots/{slot}",
+                params={"action": action},
+                json={"filename": filename},
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=limit_s),
+            ) as resp:
+                body = await resp.read()
+                if resp.status == 200:
+                    return True
+                if resp.status in UNSUPPORTED:
+                    self.save_supported = False
+                log.warning(
+                    "slot_action_failed",
+                    backend=self.url,
+                    action=action,
+                    slot=slot,
+                    status=resp.status,
+                    detail=body[:200].decode("utf-8", "replace"),
+                )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning(
+                "slot_action_failed",
+                backend=self.url,
+                action=action,
+                slot=slot,
+                detail=exc.__class__.__name__,
+            )
+        return False
+
+    async def save(self, slot: int, filename: str, *, limit_s: float = 10.0) -> bool:
+        """Write ``slot``'s cache to ``filename`` (waits while the slot is busy)."""
+        return await self._action(slot, "save", filename, limit_s)
+
+    async def restore(self, slot: int, filename: str, *, limit_s: float = 10.0) -> bool:
+        """Load ``filename`` into ``slot``."""
+        return await self._action(slot, "restore", filename, limit_s)

@@ -1,0 +1,217 @@
+"""Slot scheduling through the proxy, against a llama-server fake with one prompt cache per slot."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from fakes import Knobs, MakeProxy, ProxyClient, SlotLlamaFake, serve
+
+from proxy.scheduling import SchedulingConfig
+from proxy.state import STATE
+
+SYSTEM = " ".join(f"rule{i} keep answers short and cite policy section {i}." for i in range(60))
+WORDS = len(SYSTEM.split()) + 4  # the system prompt plus role names and a short question
+
+
+def chat(system: str, question: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": 4,
+        **extra,
+    }
+
+
+async def post_all(client: ProxyClient, bodies: list[dict[str, Any]], path: str = "") -> None:
+    async def one(body: dict[str, Any]) -> None:
+        resp = await client.post(path or "/v1/chat/completions", json=body)
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+
+    await asyncio.gather(*(one(b) for b in bodies))
+
+
+@pytest.fixture
+async def slot_fake(aiohttp_server: Any) -> SlotLlamaFake:
+    """A four-slot llama-server fake: 0.2 ms of prefill per prompt word, instant answers."""
+    return await serve(SlotLlamaFake(Knobs(prefill_ms_per_token=0.2), slots=4), aiohttp_server)
+
+
+async def test_burst_sharing_a_new_prefix_is_prefilled_once(
+    slot_fake: SlotLlamaFake, make_proxy: MakeProxy
+) -> None:
+    """Four concurrent requests with one new system prompt share one slot: one prefill."""
+    client, records, _ = await make_proxy(slot_fake.url)
+    await post_all(client, [chat(SYSTEM, f"question {i}?") for i in range(4)])
+    await records.wait(4)
+    assert len(set(slot_fake.assigned)) == 1
+    assert slot_fake.prompt_processed <= 1.5 * WORDS
+    reasons = sorted(r.extra["schedule_reason"] for r in records)
+    assert reasons == ["slot_place", "slot_queue", "slot_queue", "slot_queue"]
+    assert {r.extra["slot"] for r in records} == set(slot_fake.assigned)
+    assert all(b["id_slot"] == slot_fake.assigned[0] for b in slot_fake.requests)
+    assert all(r.extra["held_ms"] == 0.0 for r in records)
+
+
+async def test_burst_without_scheduling_prefills_per_slot(
+    slot_fake: SlotLlamaFake, make_proxy: MakeProxy
+) -> None:
+    """With ``--slot-scheduling off`` the server spreads the burst and prefills it four times."""
+    client, records, _ = await make_proxy(
+        slot_fake.url, scheduling=SchedulingConfig(slot_scheduling="off")
+    )
+    await post_all(client, [chat(SYSTEM, f"question {i}?") for i in range(4)])
+    await records.wait(4)
+    assert len(set(slot_fake.assigned)) == 4
+    assert slot_fake.prompt_processed >= 3.5 * WORDS
+    assert all("id_slot" not in b for b in slot_fake.requests)
+    assert all("schedule_reason" not in r.extra for r in records)
+
+
+async def test_unrelated_burst_spreads_over_idle_slots(
+    slot_fake: SlotLlamaFake, make_proxy: MakeProxy
+) -> None:
+    """Requests sharing nothing each get their own idle slot, as the server would give them."""
+    client, records, _ = await make_proxy(slot_fake.url)
+    await post_all(client, [chat(f"app{i} " + SYSTEM, "hello?") for i in range(4)])
+    await records.wait(4)
+    assert sorted(slot_fake.assigned) == [0, 1, 2, 3]
+    assert [r.extra["schedule_reason"] for r in records] == ["slot_place"] * 4
+
+
+async def test_long_answers_run_in_parallel_when_decoding_dominates(
+    slot_fake: SlotLlamaFake, make_proxy: MakeProxy
+) -> None:
+    """Where waiting for another's long answer costs more than a prefill, none waits."""
+    client, records, app = await make_proxy(slot_fake.url)
+    rates = app[STATE].scheduler.state(slot_fake.url).rates
+    rates.prefill_ms_per_token, rates.tpot_ms = 0.05, 50.0
+    await post_all(client, [chat(SYSTEM, f"question {i}?", max_tokens=512) for i in range(4)])
+    await records.wait(4)
+    assert len(set(slot_fake.assigned)) == 4
+    reasons = sorted(r.extra["schedule_reason"] for r in records)
+    assert reasons == ["slot_parallel", "slot_parallel", "slot_parallel", "slot_place"]
+
+
+async def test_next_request_hits_the_slot_holding_its_prefix(
+    slot_fake: SlotLlamaFake, make_proxy: MakeProxy
+) -> None:
+    """A later request goes back to the idle slot that holds its prefix, not the LRU one."""
+    client, records, _ = await make_proxy(slot_fake.url)
+    await post_all(client, [chat(f"app{i} " + SYSTEM, "hello?") for i in range(3)])
+    await post_all(client, [chat("app1 " + SYSTEM, "and again?")])
+    last = await records.wait(4)
+    assert last.extra["schedule_reason"] == "slot_hit"
+    assert last.extra["slot"] == slot_fake.assigned[1]
+    assert last.cached_tokens is not None and last.cached_tokens >= WORDS - 8
+
+
+async def test_client_id_slot_is_kept(slot_fake: SlotLlamaFake, make_proxy: MakeProxy) -> None:
+    """A client that pins a slot itself keeps its choice; the proxy records it."""
+    client, records, _ = await make_proxy(slot_fake.url)
+    await post_all(client, [chat(SYSTEM, "q?", id_slot=2)])
+    rec = await records.wait(1)
+    assert slot_fake.last_body is not None and slot_fake.last_body["id_slot"] == 2
+    assert rec.extra["schedule_reason"] == "slot_client" and rec.extra["slot"] == 2
+    await post_all(client, [chat(SYSTEM, "next?")])
+    assert (await records.wait(2)).extra["slot"] == 2
+
+
+async def test_native_completion_learns_the_slot_the_server_chose(
+    aiohttp_server: Any, make_proxy: MakeProxy
+) -> None:
+    """With every slot busy a request goes unpinned; the native answer's id_slot places it."""
+    knobs = Knobs(tokens=["tok"] * 20, prefill_ms_per_token=0.1, token_delay_s=0.02)
+    fake = await serve(SlotLlamaFake(knobs, slots=2), aiohttp_server)
+    client, records, _ = await make_proxy(fake.url)
+    busy = [
+        asyncio.create_task(post_all(client, [chat(f"app{i} " + SYSTEM, "long?", stream=True)]))
+        for i in range(2)
+    ]
+    await fake.wait_requests(2)
+    body = {"prompt": "unrelated text " * 40, "n_predict": 4, "stream": True}
+    await post_all(client, [body], path="/completion")
+    await asyncio.gather(*busy)
+    records_by_route = {r.route: r for r in await _all(records, 3)}
+    native = records_by_route["/completion"]
+    assert native.extra["schedule_reason"] == "slot_busy"
+    assert "id_slot" not in fake.requests[-1]
+    assert native.extra["slot"] == fake.assigned[-1]
+
+
+async def _all(records: Any, n: int) -> list[Any]:
+    await records.wait(n)
+    return list(records)
+
+
+async def test_foreign_traffic_turns_pinning_off_in_auto_mode(
+    slot_fake: SlotLlamaFake, make_proxy: MakeProxy
+) -> None:
+    """``/slots`` showing a request the proxy did not send: auto mode leaves slots to the server."""
+    client, records, app = await make_proxy(slot_fake.url)
+    await post_all(client, [chat(SYSTEM, "warm?")])
+    await records.wait(1)
+    scheduler = app[STATE].scheduler
+    state = scheduler.state(slot_fake.url)
+    slot_fake.slot_busy[3] = True  # a request from elsewhere is running on slot 3
+    slot_fake.slot_task[3] = 99
+    await scheduler.refresh(state)
+    slot_fake.slot_busy[3] = False
+    await post_all(client, [chat(SYSTEM, "next?")])
+    rec = await records.wait(2)
+    assert rec.extra["schedule_reason"] == "slot_foreign" and "slot" not in rec.extra
+    assert slot_fake.last_body is not None and "id_slot" not in slot_fake.last_body
+
+
+async def test_foreign_traffic_does_not_stop_pinning_when_on(
+    slot_fake: SlotLlamaFake, make_proxy: MakeProxy
+) -> None:
+    """``--slot-scheduling on`` keeps pinning; the foreign slot is only avoided."""
+    client, records, app = await make_proxy(
+        slot_fake.url, scheduling=SchedulingConfig(slot_scheduling="on")
+    )
+    scheduler = app[STATE].scheduler
+    await post_all(client, [chat(SYSTEM, "warm?")])
+    await records.wait(1)
+    slot_fake.slot_busy[1], slot_fake.slot_task[1] = True, 99
+    await scheduler.refresh(scheduler.state(slot_fake.url))
+    slot_fake.slot_busy[1] = False
+    await post_all(client, [chat(SYSTEM, "next?")])
+    rec = await records.wait(2)
+    assert rec.extra["schedule_reason"] == "slot_hit"
+
+
+async def test_fanout_copies_a_busy_slot_so_followers_decode_in_parallel(
+    aiohttp_server: Any, make_proxy: MakeProxy
+) -> None:
+    """With fan-out, requests waiting for a busy slot's prefix get copies of it in idle slots."""
+    fake = await serve(
+        SlotLlamaFake(Knobs(prefill_ms_per_token=0.2, token_delay_s=0.02), slots=4, slot_save=True),
+        aiohttp_server,
+    )
+    client, records, _ = await make_proxy(fake.url, scheduling=SchedulingConfig(fanout=True))
+    await post_all(client, [chat(SYSTEM, f"question {i}?", max_tokens=8) for i in range(4)])
+    await records.wait(4)
+    reasons = sorted(r.extra["schedule_reason"] for r in records)
+    assert reasons.count("slot_fanout") >= 2, reasons
+    assert fake.saves == 1 and fake.restores == reasons.count("slot_fanout")
+    assert len(set(fake.assigned)) >= 3
+    assert fake.prompt_processed <= 1.5 * WORDS
+    held = [r.extra["held_ms"] for r in records if r.extra["schedule_reason"] == "slot_fanout"]
+    assert all(h > 0 for h in held)
+
+
+async def test_fanout_without_slot_save_path_falls_back_to_queueing(
+    slot_fake: SlotLlamaFake, make_proxy: MakeProxy
+) -> None:
+    """A server without ``--slot-save-path`` refuses the save; requests queue as without fan-out."""
+    client, records, _ = await make_proxy(slot_fake.url, scheduling=SchedulingConfig(fanout=True))
+    await post_all(client, [chat(SYSTEM, f"question {i}?") for i in range(4)])
+    await records.wait(4)
+    assert len(set(slot_fake.assigned)) == 1
+    assert slot_fake.prompt_processed <= 1.5 * WORDS
