@@ -1,0 +1,283 @@
+"""``GET /metrics``: Prometheus exposition of this proxy process.
+
+Two sources feed one ``CollectorRegistry`` per application (never the global registry, so two
+proxies in one process, as in the tests, keep their own numbers):
+
+* a record sink (``ProxyMetrics.observe``, registered on the ``RecordWriter``) turns every finished
+  request into counter increments and histogram observations, off the request's critical path;
+* a collector asked at scrape time (``_LiveCollector``) reads what is true *now*: whether the store
+  is degraded, its failure count, and each replica's requests in flight and health.
+
+Unlike ``/stats``, these numbers are per process: Prometheus adds the replicas up with ``sum``.
+Names, labels and units follow the project's metrics contract (the Grafana dashboard is built on
+them); latency histograms use the OpenTelemetry GenAI bucket boundaries, widened at both ends for
+CPU backends (tens of seconds of prefill) and fast GPUs (a few ms per token).
+
+Cardinality: ``model`` comes from the client's request body, so only the first ``max_models``
+distinct names get their own label value; later ones are counted under ``other``. ``backend`` is
+one of the configured replicas, ``rule`` and ``reason`` are the proxy's own vocabularies.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from proxy.records import RequestRecord
+from proxy.state import ProxyState
+from proxy.store.stats import UNKNOWN
+
+OTHER = "other"
+DEFAULT_MAX_MODELS = 100
+_REASON_OK = re.compile(r"^[a-z_]{1,32}$")
+
+# OpenTelemetry GenAI semantic-convention boundaries (gen_ai.server.time_to_first_token,
+# time_per_output_token, request.duration, gen_ai.client.token.usage), widened as noted above.
+TTFT_BUCKETS_S = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0),
+    *(15.0, 30.0, 60.0, 120.0),
+)
+TPOT_BUCKETS_S = (
+    *(0.001, 0.0025, 0.005),
+    *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5),
+)
+DURATION_BUCKETS_S = (
+    *(0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92),
+    *(163.84, 327.68, 655.36),
+)
+OVERHEAD_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+TOKEN_BUCKETS = tuple(float(4**i) for i in range(14))  # 1, 4, 16, … 67,108,864
+
+MODEL_BACKEND = ("model", "backend")
+
+
+class LabelCap:
+    """Keeps the first ``limit`` distinct values of a label; later ones become ``other``."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._seen: set[str] = set()
+
+    def __call__(self, value: str | None) -> str:
+        label = value or UNKNOWN
+        if label in self._seen:
+            return label
+        if len(self._seen) < self._limit:
+            self._seen.add(label)
+            return label
+        return OTHER
+
+
+def _positive(value: float | None) -> float | None:
+    """``value`` when it is a finite number ≥ 0, else None (a counter never goes down)."""
+    if value is None or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
+
+
+class _LiveCollector(Collector):
+    """What is true at scrape time: store health and each replica's load and health."""
+
+    def __init__(self, state: Callable[[], ProxyState | None]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterable[Metric]:
+        state = self._state()
+        if state is None:  # the application has not started (or has stopped)
+            return
+        degraded = GaugeMetricFamily(
+            "prefixgate_store_degraded", "1 while the shared store (Redis) is failing, else 0"
+        )
+        degraded.add_metric([], 1.0 if state.store.degraded else 0.0)
+        failures = CounterMetricFamily(
+            "prefixgate_store_failures", "store calls that failed since start-up"
+        )
+        failures.add_metric([], float(state.store.failures))
+        in_flight = GaugeMetricFamily(
+            "prefixgate_backend_in_flight",
+            "requests this proxy has in flight to the replica",
+            labels=["backend"],
+        )
+        healthy = GaugeMetricFamily(
+            "prefixgate_backend_healthy",
+            "1 when the replica is healthy, else 0",
+            labels=["backend"],
+        )
+        for replica in state.fleet.replicas:
+            in_flight.add_metric([replica.url], float(replica.in_flight))
+            healthy.add_metric([replica.url], 1.0 if replica.healthy else 0.0)
+        yield from (degraded, failures, in_flight, healthy)
+
+
+class ProxyMetrics:
+    """The registry of one proxy application and the record sink that feeds it."""
+
+    def __init__(
+        self,
+        *,
+        state: Callable[[], ProxyState | None],
+        max_models: int = DEFAULT_MAX_MODELS,
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._model = LabelCap(max_models)
+        reg = self.registry
+
+        def counter(name: str, doc: str, labels: Sequence[str] = MODEL_BACKEND) -> Counter:
+            return Counter(name, doc, labels, registry=reg)
+
+        def histogram(
+            name: str, doc: str, buckets: Sequence[float], labels: Sequence[str] = MODEL_BACKEND
+        ) -> Histogram:
+            return Histogram(name, doc, labels, registry=reg, buckets=buckets)
+
+        self.requests = counter(
+            "prefixgate_requests", "requests by HTTP status sent", ("model", "backend", "status")
+        )
+        self.prompt_tokens = counter("prefixgate_prompt_tokens", "backend-reported prompt tokens")
+        self.cached_tokens = counter(
+            "prefixgate_cached_tokens", "backend-reported prompt tokens served from its cache"
+        )
+        self.cached_reported_prompt_tokens = counter(
+            "prefixgate_cached_reported_prompt_tokens",
+            "prompt tokens of requests whose backend reported cached tokens "
+            "(denominator of the token-weighted hit rate)",
+        )
+        self.predicted_cached_tokens = counter(
+            "prefixgate_predicted_cached_tokens",
+            "cached prompt tokens the prefix index predicted before sending",
+        )
+        self.completion_tokens = counter(
+            "prefixgate_completion_tokens", "backend-reported completion tokens"
+        )
+        self.slo_met = counter("prefixgate_slo_met", "requests that met the latency SLO")
+        self.slo_evaluated = counter(
+            "prefixgate_slo_evaluated", "requests judged against the latency SLO"
+        )
+        self.saved_prefill_seconds = counter(
+            "prefixgate_saved_prefill_seconds", "estimated prefill time saved by cache hits"
+        )
+        self.saved_usd = counter(
+            "prefixgate_saved_usd", "money saved by cache hits at the configured prices"
+        )
+        self.canonical_rules = counter(
+            "prefixgate_canonical_rule_fired", "requests a canonicalization rule changed", ("rule",)
+        )
+        self.route_decisions = counter(
+            "prefixgate_route_decisions", "routing decisions by reason", ("backend", "reason")
+        )
+        self.schedule_decisions = counter(
+            "prefixgate_schedule_decisions",
+            "scheduling decisions on the chosen backend (slot pinning, coalescing) by reason",
+            ("backend", "reason"),
+        )
+        self.held = histogram(
+            "prefixgate_held_seconds",
+            "time a request was held before it was sent (coalescing, slot fan-out); "
+            "requests not held are not observed",
+            TTFT_BUCKETS_S,
+            labels=("backend",),
+        )
+        self.ttft = histogram(
+            "prefixgate_time_to_first_token_seconds",
+            "time to first token (reasoning included), from request arrival",
+            TTFT_BUCKETS_S,
+        )
+        self.ttfvt = histogram(
+            "prefixgate_time_to_first_visible_token_seconds",
+            "time to first visible token (content or tool call), from request arrival",
+            TTFT_BUCKETS_S,
+        )
+        self.tpot = histogram(
+            "prefixgate_time_per_output_token_seconds",
+            "time per output token after the first",
+            TPOT_BUCKETS_S,
+        )
+        self.duration = histogram(
+            "prefixgate_request_duration_seconds",
+            "request arrival to response end",
+            DURATION_BUCKETS_S,
+        )
+        self.overhead = histogram(
+            "prefixgate_proxy_overhead_seconds",
+            "the proxy's own time on the request's critical path",
+            OVERHEAD_BUCKETS_S,
+            labels=(),
+        )
+        self.token_usage = histogram(
+            "gen_ai_client_token_usage",
+            "input and output tokens per request (OpenTelemetry gen_ai.client.token.usage)",
+            TOKEN_BUCKETS,
+            labels=("gen_ai_token_type", "gen_ai_request_model"),
+        )
+        reg.register(_LiveCollector(state))
+
+    def route_decision(self, backend: str, reason: str) -> None:
+        """Count one routing decision (also done from records carrying ``route_reason``)."""
+        if _REASON_OK.match(reason):
+            self.route_decisions.labels(backend, reason).inc()
+
+    def observe(self, record: RequestRecord) -> None:
+        """Record sink: fold one finished request into the counters and histograms."""
+        model = self._model(record.model)
+        backend = record.backend or UNKNOWN
+        mb = (model, backend)
+        self.requests.labels(model, backend, str(record.status)).inc()
+        prompt = record.prompt_tokens
+        if prompt is not None and prompt >= 0:
+            self.prompt_tokens.labels(*mb).inc(prompt)
+            self.token_usage.labels("input", model).observe(prompt)
+            if record.cached_tokens is not None and record.cached_tokens >= 0:
+                self.cached_tokens.labels(*mb).inc(record.cached_tokens)
+                self.cached_reported_prompt_tokens.labels(*mb).inc(prompt)
+            predicted = record.predicted_cached_tokens
+            if predicted is not None and predicted >= 0:
+                self.predicted_cached_tokens.labels(*mb).inc(predicted)
+        if record.completion_tokens is not None and record.completion_tokens >= 0:
+            self.completion_tokens.labels(*mb).inc(record.completion_tokens)
+            self.token_usage.labels("output", model).observe(record.completion_tokens)
+        if record.slo_met is not None:
+            self.slo_evaluated.labels(*mb).inc()
+            if record.slo_met:
+                self.slo_met.labels(*mb).inc()
+        saved_ms = _positive(record.saved_prefill_ms)
+        if saved_ms is not None:
+            self.saved_prefill_seconds.labels(*mb).inc(saved_ms / 1000.0)
+        saved_usd = _positive(record.saved_usd)
+        if saved_usd is not None:
+            self.saved_usd.labels(*mb).inc(saved_usd)
+        for rule in record.canonical_rules:
+            self.canonical_rules.labels(rule).inc()
+        reason = record.extra.get("route_reason")
+        if isinstance(reason, str) and record.backend:
+            self.route_decision(record.backend, reason)
+        self._observe_schedule(record)
+        self._observe_latencies(record, mb)
+
+    def _observe_schedule(self, record: RequestRecord) -> None:
+        reason = record.extra.get("schedule_reason")
+        if not isinstance(reason, str) or not record.backend or not _REASON_OK.match(reason):
+            return
+        self.schedule_decisions.labels(record.backend, reason).inc()
+        held = record.extra.get("held_ms")
+        if isinstance(held, int | float) and held > 0 and math.isfinite(held):
+            self.held.labels(record.backend).observe(held / 1000.0)
+
+    def _observe_latencies(self, record: RequestRecord, mb: tuple[str, str]) -> None:
+        for hist, ms in (
+            (self.ttft, record.ttft_ms),
+            (self.ttfvt, record.ttfvt_ms),
+            (self.tpot, record.tpot_ms),
+            (self.duration, record.e2e_ms),
+        ):
+            value = _positive(ms)
+            if value is not None:
+                hist.labels(*mb).observe(value / 1000.0)
+        if record.backend is not None:
+            overhead = _positive(record.proxy_overhead_ms)
+            if overhead is not None:
+                self.overhead.observe(overhead / 1000.0)

@@ -1,0 +1,140 @@
+"""GET /dashboard in a real headless Chromium (Playwright) against a real proxy with traffic."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from admin_traffic import mixed_requests, send_all
+from fakes import LlamaFake, MakeProxy
+
+from proxy.records import Pricing, Slo
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+TOKEN = "dash-board-token"
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Any]:
+    """Headless Chromium from the system package (never a downloaded browser build)."""
+    from playwright.async_api import async_playwright
+
+    if not os.path.exists(CHROMIUM):  # noqa: ASYNC240 - one stat before any await
+        pytest.fail(f"{CHROMIUM} not found: apt-get install -y chromium (browser tests never skip)")
+    async with async_playwright() as pw:
+        b = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        await b.close()
+
+
+class Console:
+    """Errors the page logged or threw."""
+
+    def __init__(self, page: Any) -> None:
+        self.errors: list[str] = []
+        page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: self.errors.append(str(e)))
+
+
+async def open_page(browser: Any, url: str, **context: Any) -> tuple[Any, Console]:
+    ctx = await browser.new_context(viewport={"width": 1400, "height": 1000}, **context)
+    page = await ctx.new_page()
+    console = Console(page)
+    await page.goto(url)
+    return page, console
+
+
+async def test_empty_state_behind_the_admin_token(
+    browser: Any, llama_fake: LlamaFake, make_proxy: MakeProxy, tmp_path: Path
+) -> None:
+    """A fresh proxy: the page needs the admin token, then says there is no traffic yet."""
+    from playwright.async_api import Error as PlaywrightError
+
+    client, _, _ = await make_proxy(llama_fake.url, admin_token=TOKEN)
+    url = str(client.make_url("/dashboard"))
+    anonymous = await (await browser.new_context()).new_page()
+    with pytest.raises(PlaywrightError, match="ERR_INVALID_AUTH_CREDENTIALS"):
+        await anonymous.goto(url)  # 401, and no credentials to offer: headless cannot prompt
+
+    page, console = await open_page(
+        browser, url, http_credentials={"username": "admin", "password": TOKEN}
+    )
+    await page.wait_for_selector("body[data-state=empty]")
+    assert await page.is_visible("#empty-state")
+    assert await page.is_hidden("#charts")
+    assert await page.is_hidden("#error-banner")  # /stats answered with the same credentials
+    assert "No traffic yet" in await page.inner_text("#empty-title")
+    assert "/v1" in await page.inner_text("#empty-snippet")
+    assert await page.locator(".kpi").count() == 6
+    assert "—" in await page.inner_text("#kpis")
+    await page.screenshot(path=str(tmp_path / "dashboard-empty.png"), full_page=True)
+    assert console.errors == []
+
+
+async def test_charts_draw_the_traffic(
+    browser: Any, llama_fake: LlamaFake, make_proxy: MakeProxy, tmp_path: Path
+) -> None:
+    """With traffic: every chart has data, the figures match /stats, the controls work."""
+    client, records, app = await make_proxy(
+        llama_fake.url,
+        slo=Slo(ttft_ms=5000, tpot_ms=1000),
+        pricing=Pricing(input_per_mtok=3.0, cached_input_per_mtok=0.3),
+    )
+    await send_all(client, records, app, mixed_requests())
+    async with client.get("/stats") as resp:
+        stats = await resp.json()
+
+    page, console = await open_page(browser, str(client.make_url("/dashboard")))
+    await page.wait_for_selector("body[data-state=data]")
+    for chart in ("hitrate", "tokens", "ttft", "tpot", "goodput"):
+        points = await page.get_attribute(f"#chart-{chart} svg", "data-points")
+        assert points is not None and int(points) > 0, chart
+        marks = page.locator(f"#chart-{chart} svg .plot > *")
+        assert await marks.count() > 0, chart
+    assert await page.locator("#chart-hitrate svg text").count() > 5  # labelled axes
+    assert "measured" in await page.inner_text("#chart-hitrate .legend")
+
+    hit = stats["totals"]["hit_rate_token_weighted"]
+    kpis = await page.inner_text("#kpis")
+    assert f"{hit * 100:.1f}" in kpis
+    assert str(stats["totals"]["requests"]) in kpis
+    rows = page.locator("#table-backends tbody tr")
+    assert await rows.count() == 1
+    assert llama_fake.url in await rows.first.inner_text()
+    assert await page.locator("#table-prefixes tbody tr").count() == 3
+    assert await page.locator('#list-rules [data-rule="volatile_timestamps"]').count() == 1
+
+    # Hovering a chart shows the tooltip for that interval.
+    box = await page.locator("#chart-ttft svg .hit").bounding_box()
+    assert box is not None
+    await page.mouse.move(box["x"] + box["width"] - 3, box["y"] + box["height"] / 2)
+    await page.wait_for_selector("#tooltip:not(.hidden)")
+    assert "p50" in await page.inner_text("#tooltip")
+
+    # The window selector refetches and re-renders; the choice is kept in the URL.
+    renders = int(await page.get_attribute("body", "data-renders") or 0)
+    await page.click('#window-select button[data-window="5m"]')
+    await page.wait_for_function(f"Number(document.body.dataset.renders) > {renders}")
+    assert re.search(r"window=5m", page.url)
+    assert "last 5 minutes" in await page.inner_text("#foot-window")
+    assert await page.get_attribute('[data-window="5m"]', "aria-checked") == "true"
+    await page.select_option("#model-select", "fake-model")
+    await page.wait_for_function("location.search.includes('model=fake-model')")
+
+    await page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    assert console.errors == []
