@@ -1,0 +1,349 @@
+"""deploy/k8s: every object valid against the Kubernetes schemas, and the objects agree.
+
+Schemas: the ones shipped in the ``kubernetes-validate`` package (offline), in strict mode (an
+unknown field is an error), for the oldest and the newest Kubernetes version the manifests
+target. Then the references a cluster would follow: the kustomization lists every manifest;
+Services, the PodDisruptionBudget and the NetworkPolicy select the pods they mean; ports line up;
+ConfigMaps and Secrets referenced exist with the keys used; the proxy's TOML resolves with the
+proxy's own settings code and names the backend pods and Redis by their Kubernetes names.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import kubernetes_validate
+import pytest
+from deploy_files import (
+    K8S,
+    dockerfile_instructions,
+    load_toml_text,
+    load_yaml,
+    load_yaml_docs,
+    stages,
+)
+
+from proxy.app import build_canonicalizer
+from proxy.auth import parse_keys_file
+from proxy.config import OPTIONS, resolve
+
+K8S_VERSIONS = ("1.30.0", "1.37.0")
+WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
+
+
+def manifest_files() -> list[Path]:
+    return sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+@functools.cache
+def _objects() -> tuple[dict[str, Any], ...]:
+    return tuple(doc for path in manifest_files() for doc in load_yaml_docs(path))
+
+
+def objects() -> list[dict[str, Any]]:
+    """Every object of every manifest (parsed once; callers do not modify them)."""
+    return list(_objects())
+
+
+def of_kind(kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects() if o["kind"] == kind]
+
+
+def one(kind: str, name: str) -> dict[str, Any]:
+    found = [o for o in of_kind(kind) if o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def workloads() -> list[dict[str, Any]]:
+    return [o for o in objects() if o["kind"] in WORKLOAD_KINDS]
+
+
+def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = workload["spec"]["template"]["spec"]
+    return spec
+
+
+def containers(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(pod_spec(workload)["containers"])
+
+
+def selected(selector: dict[str, str]) -> list[dict[str, Any]]:
+    """Workloads whose pod template labels match ``selector``."""
+    return [
+        w
+        for w in workloads()
+        if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+    ]
+
+
+def proxy() -> dict[str, Any]:
+    return one("Deployment", "prefixgate")
+
+
+def proxy_container() -> dict[str, Any]:
+    (c,) = containers(proxy())
+    return c
+
+
+def env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def kind_name(obj: dict[str, Any]) -> str:
+    return f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+def each_object() -> Iterator[Any]:
+    for path in manifest_files():
+        for doc in load_yaml_docs(path):
+            yield pytest.param(doc, id=f"{path.name}:{kind_name(doc)}")
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("obj", list(each_object()))
+def test_object_valid_against_kubernetes_schema(obj: dict[str, Any], version: str) -> None:
+    """Each object validates (strict: no unknown fields) against the Kubernetes API schema."""
+    kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_schema_check_is_live() -> None:
+    """A misspelled field fails strict validation, so the check above can fail."""
+    broken = load_yaml(K8S / "proxy-deployment.yaml")
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGett"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSIONS[0], strict=True)
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    """kustomization.yaml lists exactly the manifest files of the folder, each once."""
+    kustomization = load_yaml(K8S / "kustomization.yaml")
+    assert kustomization["kind"] == "Kustomization"
+    resources = kustomization["resources"]
+    assert len(resources) == len(set(resources))
+    assert sorted(resources) == [p.name for p in manifest_files()]
+    namespace = one("Namespace", kustomization["namespace"])
+    assert namespace["metadata"]["name"] == kustomization["namespace"]
+
+
+def test_names_are_unique_and_labelled() -> None:
+    """No two objects share kind and name; every object is labelled as part of prefixgate."""
+    seen = [kind_name(o) for o in objects()]
+    assert len(seen) == len(set(seen))
+    for o in objects():
+        assert o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "prefixgate", kind_name(o)
+
+
+def test_workload_selectors_match_their_pods() -> None:
+    """Each workload's selector matches its own pod template (the API server requires it)."""
+    for w in workloads():
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        assert w["spec"]["selector"]["matchLabels"].items() <= labels.items(), kind_name(w)
+
+
+def test_services_select_one_workload_and_target_its_ports() -> None:
+    """Each Service selects exactly one workload and targets a port its containers open."""
+    for svc in of_kind("Service"):
+        (target,) = selected(svc["spec"]["selector"])
+        ports = [p for c in containers(target) for p in c.get("ports", [])]
+        by_name = {p["name"]: p["containerPort"] for p in ports if "name" in p}
+        numbers = {p["containerPort"] for p in ports}
+        for port in svc["spec"]["ports"]:
+            want = port.get("targetPort", port["port"])
+            if isinstance(want, str):
+                assert want in by_name, f"{kind_name(svc)} targets unknown port {want}"
+            else:
+                assert want in numbers, f"{kind_name(svc)} targets unopened port {want}"
+
+
+def test_statefulsets_name_a_headless_governing_service() -> None:
+    """Each StatefulSet's serviceName is a Service selecting it (stable pod DNS names)."""
+    for sts in of_kind("StatefulSet"):
+        svc = one("Service", sts["spec"]["serviceName"])
+        assert selected(svc["spec"]["selector"]) == [sts]
+    assert one("Service", "llama")["spec"]["clusterIP"] == "None"
+
+
+def test_pdb_and_hpa_target_the_proxies() -> None:
+    """The PodDisruptionBudget selects the proxy pods; the HPA scales the proxy Deployment."""
+    (pdb,) = of_kind("PodDisruptionBudget")
+    assert selected(pdb["spec"]["selector"]["matchLabels"]) == [proxy()]
+    (hpa,) = of_kind("HorizontalPodAutoscaler")
+    ref = hpa["spec"]["scaleTargetRef"]
+    assert (ref["apiVersion"], ref["kind"], ref["name"]) == ("apps/v1", "Deployment", "prefixgate")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert 2 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    assert "replicas" not in proxy()["spec"], "the HPA owns the proxy's replica count"
+
+
+def test_network_policy_lets_only_proxies_reach_redis() -> None:
+    """Redis's NetworkPolicy selects the Redis pods and admits the proxy pods on its port."""
+    (policy,) = of_kind("NetworkPolicy")
+    assert selected(policy["spec"]["podSelector"]["matchLabels"]) == [one("StatefulSet", "redis")]
+    (rule,) = policy["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert selected(peer["podSelector"]["matchLabels"]) == [proxy()]
+    assert [p["port"] for p in rule["ports"]] == [6379]
+
+
+def test_referenced_configmaps_and_secrets_exist_with_their_keys() -> None:
+    """Every ConfigMap / Secret a pod uses (volume, env, envFrom) exists, with the key used."""
+    configmaps = {c["metadata"]["name"]: set(c.get("data", {})) for c in of_kind("ConfigMap")}
+    secrets = {
+        s["metadata"]["name"]: set(s.get("stringData", {})) | set(s.get("data", {}))
+        for s in of_kind("Secret")
+    }
+    refs = 0
+    for w in workloads():
+        for vol in pod_spec(w).get("volumes", []):
+            for source, name_field, known in (
+                (vol.get("configMap"), "name", configmaps),
+                (vol.get("secret"), "secretName", secrets),
+            ):
+                if source is None:
+                    continue
+                refs += 1
+                name = source[name_field]
+                assert name in known, f"{kind_name(w)}: {name} does not exist"
+                for item in source.get("items", []):
+                    assert item["key"] in known[name], f"{kind_name(w)}: {name} {item}"
+        for c in containers(w):
+            for e in c.get("env", []):
+                source = e.get("valueFrom", {})
+                for key, known in (("configMapKeyRef", configmaps), ("secretKeyRef", secrets)):
+                    if key in source:
+                        refs += 1
+                        ref = source[key]
+                        assert ref["key"] in known.get(ref["name"], set()), f"{e['name']}: {ref}"
+            for src in c.get("envFrom", []):
+                refs += 1
+                if "configMapRef" in src:
+                    assert src["configMapRef"]["name"] in configmaps
+                if "secretRef" in src:
+                    assert src["secretRef"]["name"] in secrets
+    assert refs >= 3
+
+
+def test_secret_values_are_marked_placeholders() -> None:
+    """The committed Secret holds only clearly marked placeholders, never a real-looking key."""
+    for secret in of_kind("Secret"):
+        values = secret.get("stringData", {})
+        assert values and "data" not in secret
+        for key, value in values.items():
+            assert value.startswith("CHANGE-ME"), f"{key} is not a marked placeholder"
+
+
+def test_proxy_pods_are_hardened_and_probed() -> None:
+    """Proxy pods: non-root, read-only root fs, no privilege escalation, /readyz, /healthz."""
+    pod = pod_spec(proxy())
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] > 0
+    c = proxy_container()
+    ctx = c["securityContext"]
+    assert ctx["readOnlyRootFilesystem"] is True
+    assert ctx["allowPrivilegeEscalation"] is False
+    assert ctx["capabilities"]["drop"] == ["ALL"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    port_names = {p["name"] for p in c["ports"]}
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["port"] in port_names
+
+
+def test_every_container_has_requests_and_limits() -> None:
+    """Every container declares CPU and memory requests and limits."""
+    for w in workloads():
+        for c in containers(w):
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][kind]), f"{kind_name(w)} {kind}"
+
+
+def test_proxy_port_is_the_image_port() -> None:
+    """The proxy container opens the port the image listens on (Dockerfile EXPOSE)."""
+    expose = [i for i in stages(dockerfile_instructions())[-1] if i.keyword == "EXPOSE"]
+    (port,) = proxy_container()["ports"]
+    assert port["containerPort"] == int(expose[0].args.split()[0])
+
+
+def mounted_file(path: str) -> str:
+    """The text the proxy container reads at ``path``, found through its mounts and volumes."""
+    c = proxy_container()
+    volumes = {v["name"]: v for v in pod_spec(proxy())["volumes"]}
+    for mount in c["volumeMounts"]:
+        folder = mount["mountPath"].rstrip("/") + "/"
+        if not path.startswith(folder):
+            continue
+        name = path.removeprefix(folder)
+        volume = volumes[mount["name"]]
+        if "configMap" in volume:
+            source, kind, ref = volume["configMap"], "ConfigMap", volume["configMap"]["name"]
+            data = one(kind, ref)["data"]
+        else:
+            source, kind, ref = volume["secret"], "Secret", volume["secret"]["secretName"]
+            data = one(kind, ref)["stringData"]
+        items = {i["path"]: i["key"] for i in source.get("items", [])}
+        key = items.get(name, name) if items else name
+        assert key in data, f"{path}: {kind}/{ref} has no key {key}"
+        return str(data[key])
+    raise AssertionError(f"nothing mounted at {path}")
+
+
+def proxy_toml() -> str:
+    """The TOML text at the path PREFIXGATE_CONFIG names."""
+    return mounted_file(env(proxy_container())["PREFIXGATE_CONFIG"]["value"])
+
+
+def test_proxy_settings_resolve_with_real_option_names(tmp_path: Path) -> None:
+    """The ConfigMap's TOML resolves with the proxy's settings code; every key is an option."""
+    text = proxy_toml()
+    table = load_toml_text(text)
+    known = {o.name for o in OPTIONS} | {"backends"}
+    assert set(table) <= {"proxy", "canonical"}
+    assert set(table["proxy"]) <= known, set(table["proxy"]) - known
+    path = tmp_path / "prefixgate.toml"
+    path.write_text(text)
+    settings = resolve({"config": str(path)}, environ={})
+    build_canonicalizer(settings)  # the [canonical] table is valid
+
+
+def test_proxy_settings_name_backend_pods_and_redis(tmp_path: Path) -> None:
+    """Backends are the llama pods' stable names and port; the Redis URL is the Redis Service."""
+    text = proxy_toml()
+    path = tmp_path / "prefixgate.toml"
+    path.write_text(text)
+    settings = resolve({"config": str(path)}, environ={})
+    llama = one("StatefulSet", "llama")
+    (container,) = containers(llama)
+    (port,) = container["ports"]
+    expected = {
+        f"http://{llama['metadata']['name']}-{i}.{llama['spec']['serviceName']}:"
+        f"{port['containerPort']}"
+        for i in range(llama["spec"]["replicas"])
+    }
+    assert {b.url for b in settings.backends} == expected
+    assert settings.redis_url is not None
+    redis = urlsplit(settings.redis_url)
+    svc = one("Service", str(redis.hostname))
+    assert (redis.port or 6379) in {p["port"] for p in svc["spec"]["ports"]}
+
+
+def test_proxy_env_names_real_settings() -> None:
+    """Every PREFIXGATE_* variable set on the proxy is a setting (or the config file)."""
+    names = {o.env for o in OPTIONS} | {"PREFIXGATE_CONFIG"}
+    for name in env(proxy_container()):
+        assert re.fullmatch(r"PREFIXGATE_[A-Z_]+", name) and name in names, name
+
+
+def test_client_keys_file_is_mounted_from_the_secret(tmp_path: Path) -> None:
+    """The api_keys_file the settings name is the Secret's key file, in the format it expects."""
+    path = tmp_path / "prefixgate.toml"
+    path.write_text(proxy_toml())
+    settings = resolve({"config": str(path)}, environ={})
+    assert settings.api_keys_file is not None
+    keys = parse_keys_file(mounted_file(settings.api_keys_file))
+    assert keys and all(key.startswith("CHANGE-ME") for key in keys)

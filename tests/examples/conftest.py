@@ -1,0 +1,37 @@
+"""A proxy on a real port in front of a fake llama-server, for the examples/ tests.
+
+The examples are real clients (the OpenAI SDK, curl, urllib), so the proxy must listen on a TCP
+port: ``aiohttp_server`` serves the fake and the proxy on free loopback ports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from example_runner import LiveProxy, StartProxy
+from fakes import LlamaFake, serve
+
+from proxy.app import build_app
+from proxy.config import resolve
+
+
+@pytest.fixture
+def start_proxy(aiohttp_server: Any) -> StartProxy:
+    """Factory: a fresh fake and a proxy in front of it, with ``Settings`` overrides."""
+
+    async def start(**overrides: Any) -> LiveProxy:
+        fake = await serve(LlamaFake(), aiohttp_server)
+        settings = dataclasses.replace(resolve({"backend": [fake.url]}, environ={}), **overrides)
+        server = await aiohttp_server(build_app(settings))
+        root = str(server.make_url("")).rstrip("/")
+        return LiveProxy(base_url=root + "/v1", root_url=root, fake=fake)
+
+    return start
+
+
+@pytest.fixture
+async def live_proxy(start_proxy: StartProxy) -> LiveProxy:
+    """A proxy listening on a free port in front of a fresh fake llama-server."""
+    return await start_proxy()
