@@ -113,7 +113,10 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
         )
         fleet = Fleet.from_settings(settings)
         tracker = PrefixTracker(
-            store, block_bytes=settings.block_bytes, log_prompt_labels=settings.log_prompts
+            store,
+            block_bytes=settings.block_bytes,
+            log_prompt_labels=settings.log_prompts,
+            routing=settings.routing,
         )
         state = ProxyState(
             settings=settings,

@@ -267,6 +267,8 @@ async def inference(request: web.Request) -> web.StreamResponse:
         changed = canonical.body is not body
         body = canonical.body
         fired = list(canonical.fired)
+        if fired:
+            ex.response_headers["X-Prefixgate-Canonical"] = ",".join(fired)
         replicas = [r.url for r in state.fleet.replicas]
         view = await state.tracker.lookup(
             route, body, replicas, namespace=namespace, salt=tenant or ""
@@ -282,8 +284,6 @@ async def inference(request: web.Request) -> web.StreamResponse:
             resp = await _retry(request, state, ex, view, target, out, failed)
         if ex.error == "backend_disconnected":
             state.fleet.report_failure(target.replica, "connection lost mid-stream")
-        if fired:
-            resp.headers.setdefault("X-Prefixgate-Canonical", ",".join(fired))
         return resp
     except ProxyError as exc:
         ex.status, ex.error = exc.status, exc.type

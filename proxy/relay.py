@@ -91,6 +91,8 @@ class Exchange:
     error: str | None = None
     upstream_body: bytes = b""
     on_first_token: Callable[[Mapping[str, Any]], None] | None = None
+    response_headers: dict[str, str] = field(default_factory=dict)
+    """The proxy's own headers on the client's response (set before it starts)."""
     """Told once, with the event (or whole answer) that carried the backend's first token."""
 
 
@@ -226,6 +228,7 @@ async def send_answer(request: web.Request, ex: Exchange, answer: Answer) -> web
         ex.error = "upstream_error"
     resp = web.Response(status=answer.status, body=answer.payload, headers=answer.headers)
     resp.headers["X-Request-Id"] = ex.request_id
+    resp.headers.update(ex.response_headers)
     await resp.prepare(request)
     await resp.write_eof()
     ex.obs.t_end = now
@@ -306,6 +309,7 @@ async def _relay_stream(
         status=upstream.status, headers=downstream_response_headers(upstream.headers)
     )
     resp.headers["X-Request-Id"] = ex.request_id
+    resp.headers.update(ex.response_headers)
     resp.headers["X-Accel-Buffering"] = "no"
     resp.headers.setdefault("Cache-Control", "no-cache")
     await resp.prepare(request)

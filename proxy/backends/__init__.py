@@ -48,6 +48,8 @@ async def detect_dialect(session: aiohttp.ClientSession, base_url: str) -> Diale
             base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=3)
         ) as resp:
             await resp.read()
+            if resp.status >= 500:  # e.g. llama-server answers 503 while loading its model
+                return None
     except (aiohttp.ClientError, TimeoutError):
         return None
     return Dialect()
