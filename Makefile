@@ -8,12 +8,12 @@ PORT ?= 8000
 LLAMA_PORT ?= 8080
 export CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF
 
-.PHONY: help venv deps-real redis run test test-fast test-real lint bench clean
+.PHONY: help venv deps-real redis run test test-fast test-real lint bench clean nginx bench-litellm bench-smoke soak
 
 help:
 	@echo "make run        set up, start llama-server (SmolLM2) and prefixgate in front of it"
 	@echo "make test       install everything the tests need and run every test"
-	@echo "make test-fast  the fast suite only (seconds; no llama-server, no Redis)"
+	@echo "make test-fast  the fast suite only (seconds; no llama-server, Redis or Chromium)"
 	@echo "make lint       ruff + mypy"
 
 $(VENV)/.installed: pyproject.toml
@@ -45,7 +45,7 @@ test: deps-real redis
 	$(PY) -m pytest -p no:cacheprovider
 
 test-fast: venv
-	$(PY) -m pytest -p no:cacheprovider -m "not real and not redis"
+	$(PY) -m pytest -p no:cacheprovider -m "not real and not redis and not browser"
 
 test-real: deps-real
 	$(PY) -m pytest -p no:cacheprovider -m real -s
@@ -54,9 +54,41 @@ lint: venv
 	$(VENV)/bin/ruff check proxy analyzers tests bench
 	$(VENV)/bin/mypy
 
-bench: venv
+nginx:
+	@command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq nginx; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq nginx; fi; }
+
+# LiteLLM, the comparison proxy of the overhead benchmark, in a venv of its own so that its
+# dependencies never reach the project's.
+LITELLM_VENV := bench/.venv-litellm
+LITELLM_SPEC ?= litellm[proxy]==1.108.7
+$(LITELLM_VENV)/.installed:
+	test -x $(LITELLM_VENV)/bin/python || $(PYTHON) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/pip install -q '$(LITELLM_SPEC)'
+	touch $@
+
+bench-litellm: $(LITELLM_VENV)/.installed
+
+# Micro-benchmarks, then direct vs nginx vs LiteLLM vs prefixgate overhead (about 5 minutes),
+# cache gains on the real llama-server (about 5 minutes), the routing table, the plots.
+bench: venv deps-real redis nginx bench-litellm
 	$(PY) bench/bench_fingerprint.py
 	$(PY) bench/bench_store.py
+	$(PY) bench/bench_overhead.py
+	$(PY) bench/bench_cache.py
+	@if [ -f bench/bench_routing.py ]; then $(PY) bench/bench_routing.py; fi
+	$(PY) bench/plots.py
+
+# The CI smoke of the harnesses: seconds of overhead load and a tiny cache-gains run.
+bench-smoke: deps-real redis nginx
+	$(PY) -m pytest -p no:cacheprovider tests/bench -q
+
+# Mixed load with faults injected on a schedule (backends and Redis killed, streams stalled)
+# through a proxy process; fails on a lost request or RSS growth of 10 % or more.
+SOAK_DURATION ?= 10m
+soak: venv redis
+	$(PY) bench/soak.py --duration $(SOAK_DURATION) --json logs/soak.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
