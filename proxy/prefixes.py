@@ -148,8 +148,13 @@ class PrefixTracker:
         self, view: PrefixView, replica: str, capacity_tokens: int, model: str | None = None
     ) -> None:
         """Record the request's blocks for the replica it was just routed to (run it in the
-        background right after choosing), so related requests arriving meanwhile follow it."""
+        background right after choosing), so related requests arriving meanwhile follow it, and
+        count the request in the traffic window at arrival (as the fleet simulator does), so a
+        burst sharing a system prompt is seen as shared traffic while it is still arriving."""
         if view.fp.block_hashes:
+            await self.store.observe_traffic(
+                view.namespace, view.fp.block_hashes[:TRAFFIC_MAX_BLOCKS]
+            )
             await self.store.record_prefix(
                 view.namespace,
                 replica,
@@ -185,12 +190,7 @@ class PrefixTracker:
         capacity_tokens: int,
         label: str | None = None,
     ) -> None:
-        """After the response: update the index, the token ratio, the traffic window and the
-        statistics."""
-        if view is not None and view.fp.block_hashes:
-            await self.store.observe_traffic(
-                view.namespace, view.fp.block_hashes[:TRAFFIC_MAX_BLOCKS]
-            )
+        """After the response: update the index, the token ratio and the statistics."""
         if view is not None and record.status < 400 and record.error is None:
             self.tokens_per_byte.observe(record.model, record.prompt_tokens, view.fp.total_bytes)
             if view.fp.block_hashes:

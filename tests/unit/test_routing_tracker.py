@@ -58,7 +58,7 @@ async def test_lookup_fills_matches_loads_and_shared_depth() -> None:
     tracker = PrefixTracker(store, block_bytes=BLOCK, routing=RoutingConfig(min_window_requests=4))
     views = [await tracker.lookup(CHAT, body(f"question {i} " * 20), [R1, R2]) for i in range(6)]
     for view in views:
-        await tracker.learn(record(), view, replica=R1, capacity_tokens=100_000)
+        await tracker.claim(view, R1, capacity_tokens=100_000)
     view = await tracker.lookup(CHAT, body("a new question " * 20), [R1, R2])
     assert view.available
     assert view.shared_blocks >= len(SYSTEM) // BLOCK - 1
@@ -125,13 +125,19 @@ async def test_an_unavailable_store_falls_back_to_local_numbers() -> None:
     assert (decision.replica, decision.reason) == (R2, "miss")
 
 
-async def test_learn_counts_failed_requests_as_traffic_but_not_in_the_index() -> None:
-    """Every request joins the traffic window; only a success is recorded in the index."""
+async def test_traffic_is_counted_at_arrival_and_failures_stay_out_of_the_index() -> None:
+    """A request joins the traffic window when it is routed; only a success is learned."""
+    store = EmbeddedStore()
+    tracker = PrefixTracker(store, block_bytes=BLOCK)
+    view = await tracker.lookup(CHAT, body("failing " * 30), [R1])
+    await tracker.claim(view, R1, capacity_tokens=100_000)
+    assert (await store.traffic_counts("default", view.fp.block_hashes))[0] == 1
+    await store.aclose()
     store = EmbeddedStore()
     tracker = PrefixTracker(store, block_bytes=BLOCK)
     view = await tracker.lookup(CHAT, body("failing " * 30), [R1])
     await tracker.learn(record(status=502, error="upstream"), view, replica=R1, capacity_tokens=1)
-    assert (await store.traffic_counts("default", view.fp.block_hashes))[0] == 1
+    assert (await store.traffic_counts("default", view.fp.block_hashes))[0] == 0
     assert await store.longest_match("default", [R1], view.fp.block_hashes) == {R1: 0}
 
 
