@@ -42,7 +42,12 @@ class TextSlot(NamedTuple):
 
 def is_system(message: Any) -> bool:
     """Whether ``message`` is a system or developer message."""
-    return type(message) is dict and message.get("role") in SYSTEM_ROLES
+    # ``role`` may be any JSON value; an unhashable one (a list) must not reach the set lookup.
+    return (
+        type(message) is dict
+        and type(message.get("role")) is str
+        and message["role"] in SYSTEM_ROLES
+    )
 
 
 def content_slots(path: Path, content: Any) -> Iterator[TextSlot]:
@@ -67,7 +72,7 @@ def system_slots(body: dict[str, Any], *, leading_only: bool) -> Iterator[TextSl
     if not isinstance(messages, list):
         return
     for i, message in enumerate(messages):
-        if type(message) is dict and message.get("role") in SYSTEM_ROLES:
+        if is_system(message):
             yield from content_slots(("messages", i, "content"), message.get("content"))
         elif leading_only:
             return
