@@ -205,7 +205,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "client_timeout",
         float,
-        "seconds without a byte from a client sending its request body before giving up (408)",
+        "seconds a client may stall: sending its request body (408 after) or accepting the "
+        "response (its connection is closed after, and the backend request with it)",
         60.0,
         metavar="S",
     ),
@@ -317,7 +318,7 @@ OPTIONS: tuple[Option, ...] = (
         "coalesce",
         _bool,
         "vLLM and other shared-cache servers: hold a request until an in-flight request "
-        "prefilling its prefix has its first token (on/off)",
+        "prefilling its prefix has its first token",
         True,
         metavar="on|off",
     ),
@@ -332,7 +333,7 @@ OPTIONS: tuple[Option, ...] = (
         "fanout",
         _bool,
         "llama.cpp with --slot-save-path: copy a busy slot's prefix into an idle slot so "
-        "requests sharing it decode in parallel (on/off)",
+        "requests sharing it decode in parallel",
         False,
         metavar="on|off",
     ),

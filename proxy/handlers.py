@@ -244,6 +244,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
     route = INFERENCE_PATHS[request.path]
     obs = Observation(t_start=request[T_START])
     ex = Exchange(request_id=request[REQUEST_ID], route=route, upstream_path=request.path, obs=obs)
+    ex.send_timeout_s = state.settings.timeouts.client
     ts = utc_now_iso()
     model: str | None = None
     view: PrefixView | None = None

@@ -92,6 +92,8 @@ class Exchange:
     upstream_body: bytes = b""
     on_first_token: Callable[[Mapping[str, Any]], None] | None = None
     response_headers: dict[str, str] = field(default_factory=dict)
+    send_timeout_s: float | None = None
+    """Longest a client may leave a write unaccepted before it is cut off (None: forever)."""
     """The proxy's own headers on the client's response (set before it starts)."""
     """Told once, with the event (or whole answer) that carried the backend's first token."""
 
@@ -324,7 +326,7 @@ async def _relay_stream(
             for event in splitter.feed(chunk):
                 inspector.process(event, now, out)
             obs.inspect_s += monotonic() - now
-            if out and not await _write(resp, b"".join(out)):
+            if out and not await _write(request, resp, b"".join(out), ex.send_timeout_s):
                 _client_gone(ex, upstream)
                 return resp
     except TimeoutError:
@@ -347,21 +349,37 @@ async def _relay_stream(
     if failure is not None:
         tail.append(sse_error_event(failure))
         upstream.close()
-    if (tail and not await _write(resp, b"".join(tail))) or not await _write(resp, None):
+    limit = ex.send_timeout_s
+    if (tail and not await _write(request, resp, b"".join(tail), limit)) or not await _write(
+        request, resp, None, limit
+    ):
         _client_gone(ex, upstream)
         return resp
     obs.t_end = monotonic()
     return resp
 
 
-async def _write(resp: web.StreamResponse, data: bytes | None) -> bool:
-    """Write to the client (``None``: end the body); False when the client has gone away."""
+async def _write(
+    request: web.Request, resp: web.StreamResponse, data: bytes | None, limit_s: float | None
+) -> bool:
+    """Write to the client (``None``: end the body); False when the client has gone away.
+
+    A client that stays connected but stops reading would hold its backend request (a slot)
+    forever: backpressure stops the relay, not the backend's work. When a write is not
+    accepted within ``limit_s`` the client's connection is aborted and the write counts as
+    the client gone, so the caller closes the upstream request.
+    """
     try:
-        if data is None:
-            await resp.write_eof()
-        else:
-            await resp.write(data)
+        async with asyncio.timeout(limit_s):
+            if data is None:
+                await resp.write_eof()
+            else:
+                await resp.write(data)
     except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one too
+        return False
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
         return False
     return True
 
@@ -402,10 +420,10 @@ async def relay_passthrough(
         await resp.prepare(request)
         try:
             async for chunk in upstream.content.iter_any():
-                if not await _write(resp, chunk):
+                if not await _write(request, resp, chunk, timeouts.client):
                     upstream.close()
                     return resp
         except (TimeoutError, aiohttp.ClientError):
             upstream.close()  # the status is sent; ending the body early is all that is left
-        await _write(resp, None)
+        await _write(request, resp, None, timeouts.client)
         return resp

@@ -215,3 +215,36 @@ async def test_a_thousand_concurrent_connections(procs: Procs) -> None:
         ok = await call(http, proxy.url + CHAT, chat(), timeout_s=5)
         assert ok.kind == COMPLETE
     assert proxy.alive
+
+
+async def test_client_that_stops_reading_loses_its_backend_request(
+    stack: Stack, http: aiohttp.ClientSession
+) -> None:
+    """A client that stays connected but stops reading is cut off after the client timeout,
+    and its upstream request closed with it, so it cannot hold a backend slot forever."""
+    proxy, backend = stack.proxy, stack.backend
+    before = backend.stats()
+    reader, writer = await open_raw(proxy.port, rcvbuf=16 * 1024)
+    flood = {"X-Fault": f"flood={4096 * MiB}", "X-Request-Id": "stops-reading"}
+    writer.write(http_request(CHAT, orjson.dumps(chat(stream=True)), headers=flood))
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 200")
+    stalled_at = time.monotonic()
+
+    async def upstream_closed() -> bool:
+        now = backend.stats()
+        return bool(now["closed"] > before["closed"] and now["active"] == 0)
+
+    assert await eventually(upstream_closed, within_s=CLIENT_S + 4)
+    assert time.monotonic() - stalled_at < CLIENT_S + 4
+
+    async def recorded() -> bool:
+        return any(r["request_id"] == "stops-reading" for r in proxy.records())
+
+    assert await eventually(recorded, within_s=2)
+    record = next(r for r in proxy.records() if r["request_id"] == "stops-reading")
+    assert record["status"] == 499
+    writer.close()
+    ok = await call(http, proxy.url + CHAT, chat(), timeout_s=2)
+    assert ok.kind == COMPLETE
+    stack.assert_alive()
