@@ -8,7 +8,7 @@ PORT ?= 8000
 LLAMA_PORT ?= 8080
 export CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF
 
-.PHONY: help venv deps-real redis run test test-fast test-real lint bench clean nginx bench-litellm bench-smoke soak
+.PHONY: help venv deps-real redis chromium run test test-fast test-real lint bench clean nginx bench-litellm bench-smoke soak
 
 help:
 	@echo "make run        set up, start llama-server (SmolLM2) and prefixgate in front of it"
@@ -41,7 +41,7 @@ redis:
 run: deps-real
 	$(PY) deploy/run_local.py --port $(PORT) --llama-port $(LLAMA_PORT)
 
-test: deps-real redis
+test: deps-real redis nginx chromium
 	$(PY) -m pytest -p no:cacheprovider
 
 test-fast: venv
@@ -53,6 +53,11 @@ test-real: deps-real
 lint: venv
 	$(VENV)/bin/ruff check proxy analyzers tests bench
 	$(VENV)/bin/mypy
+
+chromium:
+	@[ -x /usr/bin/chromium ] || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq chromium; fi; }
 
 nginx:
 	@command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || { \

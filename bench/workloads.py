@@ -1,0 +1,280 @@
+"""Synthetic chat workloads for the cache-gains benchmark, each a driver of real requests.
+
+Every workload is deterministic (seeded text, fixed clocks) so the direct run and the run through
+prefixgate send byte-identical requests; workloads that carry a conversation forward append the
+answer the backend actually gave. Prompts are kept to a few hundred tokens because the benchmark
+runs a real model on two CPU cores (SmolLM2 prefills about 180 tokens/s there).
+
+* ``shared_system``: one long system prompt, many users, one short question each;
+* ``multi_turn``: several conversations, turn by turn, interleaved;
+* ``agent_loop``: a tool-using agent whose system prompt states the current time (to the
+  second, so it changes on every request) followed by tool calls and tool results;
+* ``rag``: a fixed document set; each question comes with the three documents a retriever
+  ranked highest, in rank order;
+* ``claude_code``: a replay of the first requests of one public Claude Code trace
+  (/work/shared/workloads/claude-code, kv-cache-tester); each prefix block id becomes a few
+  words of synthetic text (the same id, the same text), every ``stride``-th block kept, so two
+  requests share exactly the prefix the trace says they share, at a scale a small model can
+  prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from loadgen import Result
+
+Send = Callable[[dict[str, Any]], Awaitable[Result]]
+Workload = Callable[[Send, "Scale"], Awaitable[None]]
+
+_VOCABULARY = (
+    "account access action address agent answer apply area assist balance bank billing block "
+    "branch budget build cache call card case change charge check claim clear client code "
+    "contract cost count credit customer data date debit delay deliver device document domain "
+    "draft email entry error event expense export field file filter fixed form format fund "
+    "group guide history hold import invoice issue item job key label ledger level limit line "
+    "list local lock log manage match member message method model module month name network "
+    "note number offer open order owner page parcel party payment period plan policy price "
+    "print process product profile project query queue rate record refund region report "
+    "request reset result return review role rule run sample schedule score search section "
+    "server service session share shift signal source stage state status step stock store "
+    "support system table task team term test ticket time total track transfer type update "
+    "upload user value vendor version view volume warning window work zone"
+)
+WORDS = tuple(_VOCABULARY.split())
+# The public traces live beside the repository: ../shared/workloads from its root.
+TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "claude-code"
+CLAUDE_TRACE = "trace_0038.json"
+
+
+@dataclass(frozen=True, slots=True)
+class Scale:
+    """How big each workload is (``QUICK`` for the smoke test)."""
+
+    users: int = 16
+    system_words: int = 280
+    conversations: int = 3
+    turns: int = 4
+    agent_turns: int = 8
+    rag_docs: int = 8
+    rag_queries: int = 10
+    claude_requests: int = 16
+    claude_stride: int = 8
+    claude_words: int = 5
+    max_tokens: int = 16
+
+
+QUICK = Scale(
+    users=3,
+    system_words=60,
+    conversations=2,
+    turns=2,
+    agent_turns=2,
+    rag_docs=3,
+    rag_queries=2,
+    claude_requests=3,
+    claude_stride=32,
+    claude_words=3,
+    max_tokens=4,
+)
+
+
+def prose(rng: random.Random, words: int) -> str:
+    """``words`` words of pseudo-English sentences."""
+    out: list[str] = []
+    while len(out) < words:
+        n = rng.randint(6, 14)
+        sentence = [rng.choice(WORDS) for _ in range(n)]
+        sentence[0] = sentence[0].capitalize()
+        sentence[-1] += "."
+        out.extend(sentence)
+    return " ".join(out[:words])
+
+
+def chat(messages: list[dict[str, Any]], max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "smollm2",
+        "messages": messages,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
+
+
+async def shared_system(send: Send, scale: Scale) -> None:
+    rng = random.Random(1)
+    system = "You are the support assistant of Northwind Bank. " + prose(rng, scale.system_words)
+    for u in range(scale.users):
+        question = f"Hello, I am customer {1000 + u}. " + prose(rng, 12).rstrip(".") + "?"
+        await send(
+            chat(
+                [{"role": "system", "content": system}, {"role": "user", "content": question}],
+                scale.max_tokens,
+            )
+        )
+
+
+async def multi_turn(send: Send, scale: Scale) -> None:
+    rng = random.Random(2)
+    convs: list[list[dict[str, Any]]] = []
+    for c in range(scale.conversations):
+        context = f"Conversation {c}. Here are my notes: " + prose(rng, scale.system_words // 2)
+        convs.append(
+            [
+                {"role": "system", "content": "You are a helpful assistant. Answer briefly."},
+                {"role": "user", "content": context + " What should I do first?"},
+            ]
+        )
+    for turn in range(scale.turns):
+        for messages in convs:
+            result = await send(chat(messages, scale.max_tokens * 2))
+            messages.append({"role": "assistant", "content": result.text or "OK."})
+            if turn + 1 < scale.turns:
+                follow = prose(rng, 14).rstrip(".") + "?"
+                messages.append({"role": "user", "content": follow})
+
+
+AGENT_TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": desc,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string", "description": "file or directory path"},
+                    "query": {"type": "string", "description": "what to look for"},
+                },
+                "required": ["path"],
+            },
+        },
+    }
+    for name, desc in (
+        ("read_file", "Read a file from the workspace and return its text."),
+        ("search_code", "Search the workspace for a pattern and return matching lines."),
+        ("run_tests", "Run the test suite under a path and return the failures."),
+    )
+]
+
+
+async def agent_loop(send: Send, scale: Scale) -> None:
+    rng = random.Random(3)
+    clock = datetime(2026, 11, 30, 22, 41, 7, tzinfo=UTC)
+    instructions = "You are a coding agent in a Python repository. " + prose(
+        rng, scale.system_words
+    )
+    history: list[dict[str, Any]] = [
+        {"role": "user", "content": "The billing export fails on empty ledgers. Fix it."}
+    ]
+    for turn in range(scale.agent_turns):
+        now = clock + timedelta(seconds=23 * turn)
+        system = f"Current time: {now.isoformat().replace('+00:00', 'Z')}\n{instructions}"
+        await send(
+            chat(
+                [{"role": "system", "content": system}, *history],
+                scale.max_tokens,
+                tools=AGENT_TOOLS,
+            )
+        )
+        tool = AGENT_TOOLS[turn % len(AGENT_TOOLS)]["function"]["name"]
+        call_id = f"call_{turn}"
+        args = json.dumps({"path": f"billing/export_{turn}.py", "query": "ledger"})
+        history.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": tool, "arguments": args},
+                    }
+                ],
+            }
+        )
+        history.append(
+            {
+                "role": "tool",
+                "tool_call_id": call_id,
+                "content": prose(rng, scale.system_words // 5),
+            }
+        )
+
+
+async def rag(send: Send, scale: Scale) -> None:
+    rng = random.Random(4)
+    docs = [f"[doc {d}] " + prose(rng, scale.system_words // 3) for d in range(scale.rag_docs)]
+    popularity = [1.0 / (d + 1) for d in range(scale.rag_docs)]  # a few documents answer most
+    system = (
+        "Answer the question using only the documents in the context. Cite the document "
+        "numbers you used. If the documents do not contain the answer, say so."
+    )
+    for _ in range(scale.rag_queries):
+        ranked: list[int] = []
+        while len(ranked) < min(3, scale.rag_docs):
+            d = rng.choices(range(scale.rag_docs), weights=popularity)[0]
+            if d not in ranked:
+                ranked.append(d)
+        context = "\n\n".join(docs[d] for d in ranked)
+        question = prose(rng, 12).rstrip(".") + "?"
+        user = f"Context:\n{context}\n\nQuestion: {question}"
+        await send(
+            chat(
+                [{"role": "system", "content": system}, {"role": "user", "content": user}],
+                scale.max_tokens,
+            )
+        )
+
+
+def block_text(trace: str, block: int, words: int) -> str:
+    """The synthetic text of one prefix block: the same id always gives the same words."""
+    rng = random.Random(f"{trace}:{block}")
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def claude_code_requests(scale: Scale, path: Path | None = None) -> list[dict[str, Any]]:
+    """The trace's first requests as chat bodies (system = the system-and-tools blocks)."""
+    path = path or TRACE_DIR / CLAUDE_TRACE
+    trace = json.loads(path.read_text())
+    block = int(trace["block_size"])
+    system_blocks = math.ceil((trace["system_tokens"] + trace["tool_tokens"]) / block)
+    bodies = []
+    for req in trace["requests"][: scale.claude_requests]:
+        ids: list[int] = req["hash_ids"]
+        kept = list(range(0, len(ids), scale.claude_stride))
+        if kept[-1] != len(ids) - 1:
+            kept.append(len(ids) - 1)  # the newest block: what this request adds
+        system = [
+            block_text(trace["id"], ids[i], scale.claude_words) for i in kept if i < system_blocks
+        ]
+        rest = [
+            block_text(trace["id"], ids[i], scale.claude_words) for i in kept if i >= system_blocks
+        ]
+        messages = [{"role": "system", "content": " ".join(system)}]
+        messages.append({"role": "user", "content": " ".join(rest) or "continue"})
+        bodies.append(chat(messages, min(scale.max_tokens, int(req["out"]))))
+    return bodies
+
+
+async def claude_code(send: Send, scale: Scale) -> None:
+    for body in claude_code_requests(scale):
+        await send(body)
+
+
+WORKLOADS: dict[str, Workload] = {
+    "shared_system": shared_system,
+    "multi_turn": multi_turn,
+    "agent_loop": agent_loop,
+    "rag": rag,
+    "claude_code": claude_code,
+}
