@@ -784,7 +784,8 @@ class SlotLlamaFake(LlamaFake):
     answers are paced by ``token_delay_s`` (non-streamed answers too). ``GET /slots`` is served
     (``is_processing``, ``id_task``), and with ``slot_save`` ``POST /slots/{id}?action=save`` and
     ``?action=restore`` copy a slot through a named file (a save waits while its slot is busy).
-    ``prompt_processed`` counts the prompt words prefilled; native responses carry ``id_slot``.
+    ``prompt_processed`` counts the prompt words prefilled. Native answers carry ``id_slot``
+    (streamed: on the final event; the events before it say -1, as llama-server b11434 does).
     """
 
     def __init__(
@@ -909,8 +910,11 @@ class SlotLlamaFake(LlamaFake):
         error_tail: bytes,
     ) -> web.StreamResponse:
         slot = _SERVING_SLOT.get()
-        if slot is not None:  # native stream events name the slot
-            events = [e.replace(b'"id_slot":0,', b'"id_slot":%d,' % slot) for e in events]
+        if slot is not None:  # native streams name the slot on the final event, -1 before it
+            events = [
+                e.replace(b'"id_slot":0,', b'"id_slot":%d,' % (slot if b'"stop":true' in e else -1))
+                for e in events
+            ]
         return await super()._run_stream(
             request,
             events,

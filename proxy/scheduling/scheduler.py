@@ -36,15 +36,14 @@ from proxy.log import get_logger
 from proxy.records import RequestRecord, monotonic
 from proxy.scheduling.coalesce import InflightPrefixes, Leader, wait_for_leader
 from proxy.scheduling.config import SchedulingConfig
+from proxy.scheduling.fanout import FanOut
 from proxy.scheduling.rates import Rates
 from proxy.scheduling.slot_api import SlotEndpoint
 from proxy.scheduling.slots import (
     SLOT_CLIENT,
-    SLOT_FANOUT,
     SLOT_FOREIGN,
-    SLOT_HIT,
-    SLOT_PLACE,
     SLOT_QUEUE,
+    SLOT_REASONS,
     SlotChoice,
     SlotRequest,
     SlotTable,
@@ -60,21 +59,8 @@ log = get_logger()
 LEAD = "lead"
 COALESCED = "coalesced"
 COALESCE_TIMEOUT = "coalesce_timeout"
-REASONS = (
-    "slot_hit",
-    "slot_queue",
-    "slot_place",
-    "slot_parallel",
-    "slot_busy",
-    "slot_client",
-    "slot_foreign",
-    "slot_fanout",
-    LEAD,
-    COALESCED,
-    COALESCE_TIMEOUT,
-)
+REASONS = (*SLOT_REASONS, LEAD, COALESCED, COALESCE_TIMEOUT)
 OUTPUT_LIMIT_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict")
-SNAPSHOT_FILE = "prefixgate-slot{slot}.bin"
 
 
 def requested_output(body: Mapping[str, Any]) -> float | None:
@@ -103,11 +89,7 @@ class ReplicaState:
     inflight: InflightPrefixes = field(default_factory=InflightPrefixes)
     endpoint: SlotEndpoint | None = None
     foreign_seen: float = -math.inf
-    saved: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    """Per slot, the content its snapshot file holds (fan-out)."""
-    fanout_waiting: dict[int, int] = field(default_factory=dict)
-    """Per slot, requests waiting for it to end to take it or a copy of it (fan-out)."""
-    fanout_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    fanout: FanOut = field(default_factory=FanOut)
 
 
 @dataclass(slots=True, eq=False)
@@ -348,66 +330,23 @@ class Scheduler:
         choice: SlotChoice,
         task: SlotTask,
     ) -> SlotChoice | None:
-        """Wait for the busy holder's request to end, then take the holder or a copy of it.
-
-        Returns None to queue behind the holder as ``choice`` said. Otherwise ``task`` has been
-        placed on the slot returned (before any copy is awaited, so no other request takes it).
-        The holder is saved only when other requests wait for it too, or to make a copy.
-        """
         endpoint = state.endpoint
         assert choice.slot is not None
         holder = table.slots[choice.slot]
         if endpoint is None or not endpoint.save_supported or len(holder.tasks) != 1:
             return None
-        if not any(s.idle(monotonic()) for s in table.slots if s is not holder):
-            return None
         running = self._ticket_of(holder.tasks[0])
         if running is None:
             return None
-        waiting = state.fanout_waiting
-        waiting[holder.id] = waiting.get(holder.id, 0) + 1
-        try:
-            await running.ended.wait()
-            content = holder.content
-            if not content or table.matched_tokens(req, content) < self.config.min_prefix_tokens:
-                return None
-            async with state.fanout_lock:
-                others = waiting[holder.id] - 1
-                if holder.idle(monotonic()) and holder.content == content:
-                    if others:  # they will need a copy once this request holds the slot
-                        await self._snapshot(state, endpoint, holder.id, content)
-                    target, reason = holder, SLOT_HIT
-                else:
-                    # A busy slot cannot be saved until it is idle: copy only a saved content.
-                    idle = [s for s in table.slots if s.idle(monotonic())]
-                    if state.saved.get(holder.id) != content or not idle:
-                        return None
-                    target = min(idle, key=lambda s: (bool(s.content), s.last_used, s.id))
-                    reason = SLOT_FANOUT
-                matched = table.matched_tokens(req, content)
-                task.uncached_tokens = req.prompt_tokens - matched
-                table.place(task, target.id, monotonic())
-                if reason == SLOT_FANOUT:
-                    filename = SNAPSHOT_FILE.format(slot=holder.id)
-                    if await endpoint.restore(target.id, filename):
-                        target.content = content
-                    else:  # it runs there all the same, from whatever the slot holds
-                        reason, matched = SLOT_PLACE, 0.0
-        finally:
-            waiting[holder.id] -= 1
-        return SlotChoice(target.id, reason, matched, req.prompt_tokens - matched, 0.0)
-
-    async def _snapshot(
-        self, state: ReplicaState, endpoint: SlotEndpoint, slot: int, content: tuple[int, ...]
-    ) -> bool:
-        """Make sure slot ``slot``'s snapshot file holds ``content`` (one save per content)."""
-        if state.saved.get(slot) == content:
-            return True
-        if not await endpoint.save(slot, SNAPSHOT_FILE.format(slot=slot)):
-            state.saved.pop(slot, None)
-            return False
-        state.saved[slot] = content
-        return True
+        return await state.fanout.take_or_copy(
+            endpoint,
+            table,
+            req,
+            holder,
+            task,
+            running=running.ended,
+            min_tokens=self.config.min_prefix_tokens,
+        )
 
     def _ticket_of(self, task: SlotTask) -> Ticket | None:
         return next((t for t in self._tickets.values() if t.task is task), None)

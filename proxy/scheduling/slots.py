@@ -43,6 +43,16 @@ SLOT_BUSY = "slot_busy"
 SLOT_CLIENT = "slot_client"
 SLOT_FOREIGN = "slot_foreign"
 SLOT_FANOUT = "slot_fanout"
+SLOT_REASONS = (
+    SLOT_HIT,
+    SLOT_QUEUE,
+    SLOT_PLACE,
+    SLOT_PARALLEL,
+    SLOT_BUSY,
+    SLOT_CLIENT,
+    SLOT_FOREIGN,
+    SLOT_FANOUT,
+)
 
 FOREIGN_GRACE_S = 1.0  # a slot seen busy this soon after our request on it ended is still ours
 

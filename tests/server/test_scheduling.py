@@ -134,7 +134,7 @@ async def test_native_completion_learns_the_slot_the_server_chose(
         for i in range(2)
     ]
     await fake.wait_requests(2)
-    body = {"prompt": "unrelated text " * 40, "n_predict": 4, "stream": True}
+    body = {"prompt": "unrelated text " * 40, "n_predict": 4}
     await post_all(client, [body], path="/completion")
     await asyncio.gather(*busy)
     records_by_route = {r.route: r for r in await _all(records, 3)}
