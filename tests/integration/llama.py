@@ -49,8 +49,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_llama_server(*, slots: int = 2, ctx: int = 8192) -> Iterator[str]:
-    """A llama-server on a free port; yields its base URL; stops it afterwards."""
+def running_llama_server(*, slots: int = 2, ctx: int = 8192, threads: int = 2) -> Iterator[str]:
+    """A llama-server on a free port; yields its base URL; stops it afterwards.
+
+    ``threads``: llama.cpp's compute threads spin, so several servers sharing the machine must
+    split its cores between them, or every one of them crawls.
+    """
     port = free_port()
     log = open(os.environ.get("LLAMA_SERVER_LOG", os.devnull), "ab")  # noqa: SIM115
     proc = subprocess.Popen(
@@ -67,7 +71,7 @@ def running_llama_server(*, slots: int = 2, ctx: int = 8192) -> Iterator[str]:
             "-np",
             str(slots),
             "-t",
-            "2",
+            str(threads),
             "--metrics",
         ],
         stdout=log,

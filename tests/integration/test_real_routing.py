@@ -13,11 +13,9 @@ import dataclasses
 import os
 import random
 import statistics
-import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from typing import Any
 
 import aiohttp
@@ -31,7 +29,7 @@ from proxy.log import get_logger
 from proxy.records import RecordWriter, RequestRecord
 from proxy.routing import RoutingConfig
 from proxy.state import STATE
-from tests.integration.llama import free_port, llama_server_binary, smollm2_model
+from tests.integration.llama import running_llama_server
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(420)]
 
@@ -47,51 +45,13 @@ WORDS = [
 ]
 
 
-@contextmanager
-def llama_replica(*, threads: int) -> Iterator[str]:
-    """One llama-server (SmolLM2, 2 slots of 2048 tokens) on a free port, ``threads`` threads.
-
-    Two replicas share the machine, so each gets its share of the cores: llama.cpp's compute
-    threads spin, and more threads than cores makes every replica crawl.
-    """
-    port = free_port()
-    cmd = [llama_server_binary(), "-m", smollm2_model(), "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "-c", "4096", "-np", "2", "-t", str(threads), "--metrics"]
-    log = open(os.environ.get("LLAMA_SERVER_LOG", os.devnull), "ab")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"llama-server exited with {proc.returncode} at start-up")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("llama-server did not become healthy within 120 s")
-            time.sleep(0.25)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[tuple[str, str]]:
     """Two llama-server replicas splitting the machine's cores."""
     threads = max((os.cpu_count() or 2) // 2, 1)
     with ExitStack() as stack:
-        a = stack.enter_context(llama_replica(threads=threads))
-        b = stack.enter_context(llama_replica(threads=threads))
+        a = stack.enter_context(running_llama_server(slots=2, ctx=4096, threads=threads))
+        b = stack.enter_context(running_llama_server(slots=2, ctx=4096, threads=threads))
         yield a, b
 
 
