@@ -84,7 +84,9 @@ MODES = {
     "direct": None,
     "prefixgate": [],
     "prefixgate --fanout on": ["--fanout", "on"],
+    "prefixgate --slot-scheduling off": ["--slot-scheduling", "off"],
 }
+DEFAULT_MODES = ("direct", "prefixgate", "prefixgate --fanout on")
 
 
 @dataclass
@@ -216,7 +218,7 @@ def table(runs: list[Run]) -> str:
         if direct and mode != "direct":
             # Each run against the direct run just before it: both saw about the same load.
             pairs = [d.wall_s / r.wall_s for d, r in zip(direct, rs, strict=False)]
-            vs = f" ({statistics.median(pairs):.2f}x faster than direct)"
+            vs = f" ({statistics.median(pairs):.2f}x as fast as direct)"
         decisions = ", ".join(f"{k} {v}" for k, v in sorted(rs[-1].reasons.items())) or "—"
         load = ", ".join(f"{r.load:.1f}" for r in rs)
         lines.append(
@@ -229,6 +231,8 @@ def table(runs: list[Run]) -> str:
 def fragment(runs: list[Run], repeat: int) -> str:
     """The Markdown section for bench/README.md: what was run, how, and the table."""
     loads = [r.load for r in runs]
+    lo, hi = (f(Counter((r.scenario, r.mode) for r in runs).values()) for f in (min, max))
+    counts = f"{lo}" if lo == hi else f"{lo} to {hi}"
     return "\n".join(
         [
             "## Slot scheduling: agent fan-out bursts on llama-server",
@@ -244,9 +248,10 @@ def fragment(runs: list[Run], repeat: int) -> str:
             "~1,200-token system prompts. Prompt tokens processed: `llamacpp:prompt_tokens_total`",
             "over the burst (cached tokens excluded). Decisions: the records' `schedule_reason`",
             "(warm-up included).",
-            f"Median of {repeat} run(s) per row (the speed-up: median of each run against the "
+            f"Median of {counts} run(s) per row (the speed-up: median of each run against the "
             "direct run just before it); 1-minute load average at each run's start "
-            f"{min(loads):.1f} to {max(loads):.1f} (2 cores, shared with other work).",
+            f"{min(loads):.1f} to {max(loads):.1f} (2 cores, shared with other work; the runs "
+            "themselves keep it near 2).",
             "",
             table(runs),
         ]
@@ -274,7 +279,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES))
     parser.add_argument("--out", default="/tmp/pg/readme/scheduling-bench.md")
     args = parser.parse_args()
     runs = asyncio.run(measure(args.scenarios.split(","), args.modes.split(","), args.repeat))
