@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import shutil
 import subprocess
@@ -55,6 +56,12 @@ def top_functions(raw: Path, limit: int) -> str:
     return "\n".join(lines)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds a process has used so far (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
@@ -65,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fake-slots", type=int, default=8, help="slots the fake reports")
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument(
+        "--cpu-only",
+        action="store_true",
+        help="no profile: the proxy's CPU time per request under the same load",
+    )
+    parser.add_argument("--extra", default="", help="more `prefixgate serve` flags")
     parser.add_argument("--out", default=str(procs.BENCH / "results" / "profile.txt"))
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -74,9 +87,26 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         fake = stack.enter_context(procs.start_fake(workdir, slots=args.fake_slots))
         redis_url = stack.enter_context(procs.start_redis(workdir)).url if args.redis else None
-        proxy = stack.enter_context(procs.start_prefixgate(workdir, fake.url, redis_url=redis_url))
+        proxy = stack.enter_context(
+            procs.start_prefixgate(workdir, fake.url, redis_url=redis_url, extra=args.extra.split())
+        )
         url = proxy.url + loadgen.CHAT_PATH
         asyncio.run(loadgen.closed_loop(url, bodies, concurrency=8, requests=64))
+        if args.cpu_only:
+            cpu0 = cpu_seconds(proxy.popen.pid)
+            results, window = asyncio.run(
+                loadgen.closed_loop(
+                    url, bodies, concurrency=args.concurrency, duration_s=args.seconds
+                )
+            )
+            cpu = cpu_seconds(proxy.popen.pid) - cpu0
+            summary = loadgen.summarize(results, window, loadgen.Slo())
+            print(
+                f"{args.concurrency} streams: {summary['rps']} req/s, TTFT p50 "
+                f"{summary['ttft_ms']['p50']} ms, proxy CPU {1000 * cpu / len(results):.3f} "
+                f"ms/request ({cpu / args.seconds:.2f} cores), errors {summary['errors']}"
+            )
+            return 0
         spy = subprocess.Popen(
             [
                 args.py_spy,

@@ -12,6 +12,7 @@ from it in the background.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -371,9 +372,13 @@ async def _attempt(
     ex.upstream_body = orjson.dumps(body) if edited or ex.strip_usage else out.raw
     out.sent = body
     capacity = replica.capacity_tokens(state.settings.capacity_tokens)
-    state.writer.spawn(state.tracker.claim(view, replica.url, capacity, out.model))
     replica.in_flight += 1
-    state.writer.spawn(state.tracker.in_flight(view, replica.url, +1))
+    state.writer.spawn(
+        _in_order(
+            state.tracker.claim(view, replica.url, capacity, out.model),
+            state.tracker.in_flight(view, replica.url, +1),
+        )
+    )
     try:
         return await relay_inference(
             request,
@@ -387,6 +392,14 @@ async def _attempt(
         ticket.end(ok=200 <= ex.status < 400 and ex.error is None)
         replica.in_flight -= 1
         state.writer.spawn(state.tracker.in_flight(view, replica.url, -1))
+
+
+async def _in_order(first: Awaitable[None], then: Awaitable[None]) -> None:
+    """Background work in one task: ``then`` runs even when ``first`` fails."""
+    try:
+        await first
+    finally:
+        await then
 
 
 async def _retry(

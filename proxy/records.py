@@ -221,7 +221,7 @@ class RecordWriter:
     def __init__(self, *, logger: structlog.typing.FilteringBoundLogger) -> None:
         self._log = logger
         self._sinks: list[RecordSink] = []
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Future[None]] = set()
 
     def add_sink(self, sink: RecordSink) -> None:
         self._sinks.append(sink)
@@ -240,15 +240,17 @@ class RecordWriter:
 
     def spawn(self, aw: Awaitable[None]) -> None:
         """Run background work for a finished request (tracked, errors logged)."""
-        task = asyncio.ensure_future(self._guard(aw))
+        task = asyncio.ensure_future(aw)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
 
-    async def _guard(self, aw: Awaitable[None]) -> None:
-        try:
-            await aw
-        except Exception:
-            self._log.exception("record_sink_failed")
+    def _done(self, task: asyncio.Future[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self._log.error("record_sink_failed", exc_info=exc)
 
     async def drain(self, limit_s: float = 5.0) -> None:
         """Wait (bounded) for background sink work, e.g. at shutdown or in tests."""
@@ -256,7 +258,7 @@ class RecordWriter:
             await asyncio.wait(list(self._tasks), timeout=limit_s)
 
     @property
-    def pending(self) -> Sequence[asyncio.Task[None]]:
+    def pending(self) -> Sequence[asyncio.Future[None]]:
         return tuple(self._tasks)
 
 

@@ -31,6 +31,7 @@ import orjson
 from aiohttp import web
 
 from proxy.backends import Dialect, EventKind
+from proxy.backends.base import COMPLETIONS, NATIVE_COMPLETION
 from proxy.config import Timeouts
 from proxy.errors import BackendTimeout, BackendUnavailable, ProxyError, sse_error_event
 from proxy.headers import downstream_response_headers, is_event_stream, upstream_request_headers
@@ -237,8 +238,53 @@ async def send_answer(request: web.Request, ex: Exchange, answer: Answer) -> web
     return resp
 
 
+# Byte patterns of a plain token event, one whose only news is that a token arrived. A pattern
+# with quotes can only occur in the raw JSON as a key (inside a string its quotes are escaped).
+_CHAT_TOKENS: tuple[bytes, ...] = (
+    b'"content":"',
+    b'"reasoning_content":"',
+    b'"reasoning":"',
+    b'"tool_calls":[',
+)
+_TEXT_TOKENS: tuple[bytes, ...] = (b'"text":"',)
+_NATIVE_TOKENS: tuple[bytes, ...] = (b'"content":"',)
+_NEWS = (b'"usage"', b'"timings"', b'"error"')
+"""Keys that make an event worth parsing: usage, timings or an error to read."""
+
+
+def plain_token_event(event: bytes, route: str) -> bool:
+    """True when ``event`` is certainly one ``data:`` line carrying a token and nothing else.
+
+    Such events are most of a stream and need no parsing once the first visible token has been
+    timed: every other event (a finish reason, usage, timings, an error, several data lines,
+    anything unexpected) answers False and is parsed as before.
+    """
+    if not event.startswith(b"data: {") or event.find(b"\n") < len(event) - 2:
+        return False  # not one data line ending in a blank line ("\n\n")
+    if route == NATIVE_COMPLETION:
+        if b'"stop":false' not in event:
+            return False
+        patterns = _NATIVE_TOKENS
+    else:
+        if b'"finish_reason":null' not in event:
+            return False
+        patterns = _TEXT_TOKENS if route == COMPLETIONS else _CHAT_TOKENS
+    for key in _NEWS:
+        if key in event:
+            return False
+    for pattern in patterns:
+        at = event.find(pattern)
+        if at >= 0 and event[at + len(pattern) : at + len(pattern) + 1] not in (b'"', b"]"):
+            return True
+    return False
+
+
 class StreamInspector:
-    """Looks at each SSE event on its way through; decides only whether it is forwarded."""
+    """Looks at each SSE event on its way through; decides only whether it is forwarded.
+
+    Events are parsed until the first visible token has been timed; after that, a plain token
+    event (``plain_token_event``) is only counted, and everything else is still parsed.
+    """
 
     __slots__ = ("_held", "ex")
 
@@ -249,6 +295,12 @@ class StreamInspector:
     def process(self, event: bytes, now: float, out: list[bytes]) -> None:
         """Observe ``event`` and append what should reach the client to ``out``."""
         ex, obs = self.ex, self.ex.obs
+        if obs.t_first_visible is not None and plain_token_event(event, ex.route):
+            obs.t_last_token = now
+            obs.token_events += 1
+            self._release(out)
+            out.append(event)
+            return
         data = event_data(event)
         obj: Any = None
         if data is not None and data != b"[DONE]":
@@ -282,6 +334,22 @@ class StreamInspector:
                 return
         self._release(out)
         out.append(event)
+
+    def plain_chunk(self, chunk: bytes, now: float) -> bool:
+        """Whether ``chunk`` (a whole upstream read) is one plain token event; counted if so.
+
+        The relay then forwards it as it is, without splitting it into events first.
+        """
+        obs = self.ex.obs
+        if (
+            self._held is not None
+            or obs.t_first_visible is None
+            or not plain_token_event(chunk, self.ex.route)
+        ):
+            return False
+        obs.t_last_token = now
+        obs.token_events += 1
+        return True
 
     def _release(self, out: list[bytes], carry: Mapping[str, Any] | None = None) -> None:
         if self._held is None:
@@ -322,11 +390,15 @@ async def _relay_stream(
     try:
         async for chunk in upstream.content.iter_any():
             now = monotonic()
-            out: list[bytes] = []
-            for event in splitter.feed(chunk):
-                inspector.process(event, now, out)
+            if not splitter.pending and inspector.plain_chunk(chunk, now):
+                data = chunk  # the usual read once the answer is under way: one token event
+            else:
+                out: list[bytes] = []
+                for event in splitter.feed(chunk):
+                    inspector.process(event, now, out)
+                data = b"".join(out)
             obs.inspect_s += monotonic() - now
-            if out and not await _write(request, resp, b"".join(out), ex.send_timeout_s):
+            if data and not await _write(request, resp, data, ex.send_timeout_s):
                 _client_gone(ex, upstream)
                 return resp
     except TimeoutError:
@@ -369,6 +441,19 @@ async def _write(
     accepted within ``limit_s`` the client's connection is aborted and the write counts as
     the client gone, so the caller closes the upstream request.
     """
+    transport = request.transport
+    if (
+        data is not None
+        and transport is not None
+        and transport.get_write_buffer_size() + len(data) <= transport.get_write_buffer_limits()[0]
+    ):
+        # Below the low-water mark the transport is not paused and this write cannot pause it,
+        # so it cannot wait (the common case): no deadline to set.
+        try:
+            await resp.write(data)
+        except ConnectionResetError:
+            return False
+        return True
     try:
         async with asyncio.timeout(limit_s):
             if data is None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -125,6 +126,7 @@ class ProxyMetrics:
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._model = LabelCap(max_models)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         reg = self.registry
 
         def counter(name: str, doc: str, labels: Sequence[str] = MODEL_BACKEND) -> Counter:
@@ -216,42 +218,50 @@ class ProxyMetrics:
         )
         reg.register(_LiveCollector(state))
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: one record touches a dozen of them."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def route_decision(self, backend: str, reason: str) -> None:
         """Count one routing decision (also done from records carrying ``route_reason``)."""
         if _REASON_OK.match(reason):
-            self.route_decisions.labels(backend, reason).inc()
+            self._child(self.route_decisions, backend, reason).inc()
 
     def observe(self, record: RequestRecord) -> None:
         """Record sink: fold one finished request into the counters and histograms."""
         model = self._model(record.model)
         backend = record.backend or UNKNOWN
         mb = (model, backend)
-        self.requests.labels(model, backend, str(record.status)).inc()
+        self._child(self.requests, model, backend, str(record.status)).inc()
         prompt = record.prompt_tokens
         if prompt is not None and prompt >= 0:
-            self.prompt_tokens.labels(*mb).inc(prompt)
-            self.token_usage.labels("input", model).observe(prompt)
+            self._child(self.prompt_tokens, *mb).inc(prompt)
+            self._child(self.token_usage, "input", model).observe(prompt)
             if record.cached_tokens is not None and record.cached_tokens >= 0:
-                self.cached_tokens.labels(*mb).inc(record.cached_tokens)
-                self.cached_reported_prompt_tokens.labels(*mb).inc(prompt)
+                self._child(self.cached_tokens, *mb).inc(record.cached_tokens)
+                self._child(self.cached_reported_prompt_tokens, *mb).inc(prompt)
             predicted = record.predicted_cached_tokens
             if predicted is not None and predicted >= 0:
-                self.predicted_cached_tokens.labels(*mb).inc(predicted)
+                self._child(self.predicted_cached_tokens, *mb).inc(predicted)
         if record.completion_tokens is not None and record.completion_tokens >= 0:
-            self.completion_tokens.labels(*mb).inc(record.completion_tokens)
-            self.token_usage.labels("output", model).observe(record.completion_tokens)
+            self._child(self.completion_tokens, *mb).inc(record.completion_tokens)
+            self._child(self.token_usage, "output", model).observe(record.completion_tokens)
         if record.slo_met is not None:
-            self.slo_evaluated.labels(*mb).inc()
+            self._child(self.slo_evaluated, *mb).inc()
             if record.slo_met:
-                self.slo_met.labels(*mb).inc()
+                self._child(self.slo_met, *mb).inc()
         saved_ms = _positive(record.saved_prefill_ms)
         if saved_ms is not None:
-            self.saved_prefill_seconds.labels(*mb).inc(saved_ms / 1000.0)
+            self._child(self.saved_prefill_seconds, *mb).inc(saved_ms / 1000.0)
         saved_usd = _positive(record.saved_usd)
         if saved_usd is not None:
-            self.saved_usd.labels(*mb).inc(saved_usd)
+            self._child(self.saved_usd, *mb).inc(saved_usd)
         for rule in record.canonical_rules:
-            self.canonical_rules.labels(rule).inc()
+            self._child(self.canonical_rules, rule).inc()
         reason = record.extra.get("route_reason")
         if isinstance(reason, str) and record.backend:
             self.route_decision(record.backend, reason)
@@ -262,10 +272,10 @@ class ProxyMetrics:
         reason = record.extra.get("schedule_reason")
         if not isinstance(reason, str) or not record.backend or not _REASON_OK.match(reason):
             return
-        self.schedule_decisions.labels(record.backend, reason).inc()
+        self._child(self.schedule_decisions, record.backend, reason).inc()
         held = record.extra.get("held_ms")
         if isinstance(held, int | float) and held > 0 and math.isfinite(held):
-            self.held.labels(record.backend).observe(held / 1000.0)
+            self._child(self.held, record.backend).observe(held / 1000.0)
 
     def _observe_latencies(self, record: RequestRecord, mb: tuple[str, str]) -> None:
         for hist, ms in (
@@ -276,7 +286,7 @@ class ProxyMetrics:
         ):
             value = _positive(ms)
             if value is not None:
-                hist.labels(*mb).observe(value / 1000.0)
+                self._child(hist, *mb).observe(value / 1000.0)
         if record.backend is not None:
             overhead = _positive(record.proxy_overhead_ms)
             if overhead is not None:

@@ -29,6 +29,7 @@ Times are ``time.perf_counter`` seconds; every estimate comes from ``Rates``.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,6 +150,40 @@ def _remaining(task: SlotTask, now: float, rates: Rates, sharers: int) -> tuple[
     return 0.0, max(task.decode_tokens - over_s / t, 1.0)
 
 
+class Prefills:
+    """The prompt tokens left to prefill of every request prefilling now, for quick sums.
+
+    ``shared(x)`` is the sum over them of ``min(left, x)`` (how much of ``x`` tokens of new
+    prefill runs alongside them) and ``imposed(x)`` the same weighted by ``1 + queued behind``
+    (how much the new prefill delays them and whoever waits for them): both by bisection over the
+    requests sorted by tokens left, so weighing every slot stays linear in the number of slots.
+    """
+
+    __slots__ = ("_cum_left", "_cum_weight", "_cum_weighted", "_left")
+
+    def __init__(self, entries: Iterable[tuple[float, int]]) -> None:
+        ordered = sorted(entries)
+        self._left = [left for left, _ in ordered]
+        self._cum_left = [0.0]
+        self._cum_weighted = [0.0]
+        self._cum_weight = [0.0]
+        for left, behind in ordered:
+            self._cum_left.append(self._cum_left[-1] + left)
+            self._cum_weighted.append(self._cum_weighted[-1] + left * (1 + behind))
+            self._cum_weight.append(self._cum_weight[-1] + 1 + behind)
+
+    def __len__(self) -> int:
+        return len(self._left)
+
+    def shared(self, x: float) -> float:
+        k = bisect_right(self._left, x)
+        return self._cum_left[k] + x * (len(self._left) - k)
+
+    def imposed(self, x: float) -> float:
+        k = bisect_right(self._left, x)
+        return self._cum_weighted[k] + x * (self._cum_weight[-1] - self._cum_weight[k])
+
+
 class SlotTable:
     """One replica's slots as this proxy knows them."""
 
@@ -161,8 +196,8 @@ class SlotTable:
 
     # -- estimates -----------------------------------------------------------------------------
 
-    def _prefilling(self, now: float, rates: Rates) -> list[tuple[float, int]]:
-        """(prompt tokens left, requests queued behind) of every request prefilling now."""
+    def _prefilling(self, now: float, rates: Rates) -> Prefills:
+        """Every request prefilling now: prompt tokens left, requests queued behind it."""
         heads = [s.tasks for s in self.slots if s.tasks and s.tasks[0].t_first_token is None]
         sharers = len(heads)
         out = []
@@ -170,24 +205,36 @@ class SlotTable:
             rem, _ = _remaining(tasks[0], now, rates, sharers)
             if rem > 0:
                 out.append((rem, len(tasks) - 1))
-        return out
+        return Prefills(out)
 
-    def free_at(self, slot: Slot, now: float, rates: Rates) -> float:
-        """When everything queued on ``slot`` is expected to have ended."""
+    def free_at(
+        self,
+        slot: Slot,
+        now: float,
+        rates: Rates,
+        prefilling: Prefills | None = None,
+    ) -> float:
+        """When everything queued on ``slot`` is expected to have ended.
+
+        ``prefilling``: ``_prefilling(now, rates)`` when the caller already has it.
+        """
         p, t = rates.prefill_s, rates.tpot_s
         end = now
         if slot.tasks:
-            prefilling = self._prefilling(now, rates)
+            if prefilling is None:
+                prefilling = self._prefilling(now, rates)
             rem, dec = _remaining(slot.tasks[0], now, rates, len(prefilling))
             if rem > 0:
-                end += sum(min(r, rem) for r, _ in prefilling) * p
+                end += prefilling.shared(rem) * p
             end += dec * t
             for task in slot.tasks[1:]:
                 end += task.uncached_tokens * p + task.decode_tokens * t
         return max(end, slot.foreign_until)
 
-    def _first_free(self, now: float, rates: Rates) -> float:
-        return min((self.free_at(s, now, rates) for s in self.slots), default=now)
+    def _first_free(self, now: float, rates: Rates, prefilling: Prefills | None = None) -> float:
+        if prefilling is None:
+            prefilling = self._prefilling(now, rates)
+        return min((self.free_at(s, now, rates, prefilling) for s in self.slots), default=now)
 
     def matched_tokens(self, req: SlotRequest, content: Sequence[int]) -> float:
         """Prompt tokens of ``req`` a slot holding ``content`` would serve from its cache."""
@@ -211,18 +258,25 @@ class SlotTable:
         decode_s = req.decode_tokens * t
         best: tuple[tuple[float, ...], SlotChoice] | None = None
         holder_seen = False
+        any_idle = False
+        # What placing on an idle slot costs depends only on the tokens it leaves to prefill,
+        # which few slots differ in: computed once per distinct value, not once per slot.
+        idle_costs: dict[float, tuple[float, float]] = {}
         for slot in self.slots:
             matched = self.matched_tokens(req, slot.holds_after_queue())
             uncached = req.prompt_tokens - matched
             if slot.idle(now):
-                shared = [min(r, uncached) for r, _ in prefilling]
-                end = now + (sum(shared) + uncached) * p + decode_s
-                imposed = sum(min(r, uncached) * (1 + behind) for r, behind in prefilling) * p
-                cost = end + imposed
+                any_idle = True
+                known = idle_costs.get(uncached)
+                if known is None:
+                    shared, imposed = prefilling.shared(uncached), prefilling.imposed(uncached)
+                    known = idle_costs[uncached] = (shared, imposed * p)
+                end = now + (known[0] + uncached) * p + decode_s
+                cost = end + known[1]
                 reason = SLOT_HIT if matched >= useful_tokens else SLOT_PLACE
             elif matched >= useful_tokens:
                 holder_seen = True
-                end = self.free_at(slot, now, rates) + uncached * p + decode_s
+                end = self.free_at(slot, now, rates, prefilling) + uncached * p + decode_s
                 cost = end
                 reason = SLOT_QUEUE
             else:
@@ -232,7 +286,8 @@ class SlotTable:
             if best is None or key < best[0]:
                 best = (key, choice)
         if best is None:  # every slot busy, none holding the prefix: the server picks
-            unpinned_end = self._first_free(now, rates) + req.prompt_tokens * p + decode_s
+            unpinned_end = self._first_free(now, rates, prefilling) + req.prompt_tokens * p
+            unpinned_end += decode_s
             return SlotChoice(None, SLOT_BUSY, 0.0, req.prompt_tokens, unpinned_end - now)
         choice = best[1]
         if choice.reason == SLOT_PLACE and holder_seen:
@@ -243,9 +298,10 @@ class SlotTable:
                 choice.uncached_tokens,
                 choice.expected_end_s,
             )
-        if choice.reason == SLOT_QUEUE and not any(s.idle(now) for s in self.slots):
+        if choice.reason == SLOT_QUEUE and not any_idle:
             # Every slot is busy. Waiting for a particular one must beat taking the first to free.
-            unpinned_end = self._first_free(now, rates) + req.prompt_tokens * p + decode_s
+            unpinned_end = self._first_free(now, rates, prefilling) + req.prompt_tokens * p
+            unpinned_end += decode_s
             if unpinned_end <= now + choice.expected_end_s:
                 return SlotChoice(None, SLOT_BUSY, 0.0, req.prompt_tokens, unpinned_end - now)
         return choice
