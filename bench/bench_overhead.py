@@ -15,10 +15,11 @@ started and warmed up, then each phase runs on every target in turn:
 * the proxy's resident memory (its process tree), peak per phase: at 1, 64 and 256 streams.
 
 nginx is the physical limit of a reverse proxy: one worker, ``proxy_buffering off``, HTTP/1.1
-keep-alive upstream. LiteLLM runs from its own venv (``bench/.venv-litellm``) as a plain
-OpenAI pass-through (no auth, no database). Load generator, backend and proxy share the
-machine's cores; each phase records how many cores other work used meanwhile
-(``other_cpu_cores``) and the load average.
+keep-alive upstream. ``aiohttp-relay`` (``bench/bare_relay.py``) is the floor of a proxy built
+on aiohttp in one process: it forwards and streams back, and does nothing else. LiteLLM runs
+from its own venv (``bench/.venv-litellm``) as a plain OpenAI pass-through (no auth, no
+database). Load generator, backend and proxy share the machine's cores; each phase records how
+many cores other work used meanwhile (``other_cpu_cores``) and the load average.
 
 Run: ``python bench/bench_overhead.py [--quick] [--targets direct,nginx,...] [--out DIR]``.
 Writes ``overhead.json`` in ``--out`` (default ``bench/results``) and prints the tables.
@@ -49,7 +50,7 @@ import loadgen
 import procs
 from loadgen import Slo
 
-TARGETS = ("direct", "nginx", "litellm", "prefixgate", "prefixgate-redis")
+TARGETS = ("direct", "nginx", "aiohttp-relay", "litellm", "prefixgate", "prefixgate-redis")
 PROXIES = tuple(t for t in TARGETS if t != "direct")
 PATH = "/v1/chat/completions"
 
@@ -110,6 +111,8 @@ def target(name: str, workdir: Path, backend_url: str) -> Iterator[procs.Proc | 
             yield None
         elif name == "nginx":
             yield stack.enter_context(procs.start_nginx(workdir, backend_url))
+        elif name == "aiohttp-relay":
+            yield stack.enter_context(procs.start_bare_relay(workdir, backend_url))
         elif name == "litellm":
             yield stack.enter_context(procs.start_litellm(workdir, backend_url))
         elif name == "prefixgate":

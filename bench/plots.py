@@ -26,6 +26,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 COLORS = {
     "direct": "#9e9e9e",
     "nginx": "#4caf50",
+    "aiohttp-relay": "#ffb300",
     "litellm": "#e53935",
     "prefixgate": "#1e88e5",
     "prefixgate-redis": "#3949ab",

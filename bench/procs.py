@@ -348,6 +348,15 @@ def start_nginx(workdir: Path, upstream_url: str) -> Proc:
     return _spawn("nginx", args, workdir=workdir, ready_url=url + "/health", url=url)
 
 
+def start_bare_relay(workdir: Path, upstream_url: str) -> Proc:
+    """``bench/bare_relay.py``: the floor of an aiohttp proxy (forwards, streams, nothing else)."""
+    port = free_port()
+    args = [sys.executable, str(BENCH / "bare_relay.py"), "--upstream", upstream_url]
+    args += ["--port", str(port)]
+    url = f"http://127.0.0.1:{port}"
+    return _spawn("aiohttp-relay", args, workdir=workdir, ready_url=url + "/health", url=url)
+
+
 LITELLM_CONF = """\
 model_list:
   - model_name: {model}

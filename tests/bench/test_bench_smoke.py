@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
-SMOKE_TARGETS = ("direct", "nginx", "prefixgate", "prefixgate-redis")
+SMOKE_TARGETS = ("direct", "nginx", "aiohttp-relay", "prefixgate", "prefixgate-redis")
 
 
 def run_script(*args: str, timeout_s: float) -> str:
