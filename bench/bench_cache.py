@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ import loadgen
 import procs
 import workloads
 from loadgen import Result, Slo, Window
+
+from proxy.canonical.config import NOTE_PLACEMENTS
 
 MODES = ("direct", "prefixgate")
 SLO = Slo(ttft_ms=1000.0, tpot_ms=100.0)
@@ -134,7 +137,7 @@ def summary_of(results: list[Result], own_s: float, rules: dict[str, int]) -> di
 
 
 def run_workload(
-    name: str, scale: workloads.Scale, workdir: Path, slots: int
+    name: str, scale: workloads.Scale, workdir: Path, slots: int, proxy_args: Sequence[str] = ()
 ) -> dict[str, dict[str, Any]]:
     """The workload direct and through prefixgate, in lockstep, each on a fresh llama-server."""
     # --poll 0: the server waiting for its turn sleeps instead of spinning its threads, which
@@ -143,7 +146,9 @@ def run_workload(
     with (
         procs.start_llama_server(workdir, slots=slots, ctx=4096 * slots, extra=extra) as direct,
         procs.start_llama_server(workdir, slots=slots, ctx=4096 * slots, extra=extra) as behind,
-        procs.start_prefixgate(workdir, behind.url, name=f"prefixgate-{name}") as proxy,
+        procs.start_prefixgate(
+            workdir, behind.url, name=f"prefixgate-{name}", extra=proxy_args
+        ) as proxy,
     ):
         workload = workloads.WORKLOADS[name]
 
@@ -169,7 +174,13 @@ def run_workload(
     return runs
 
 
-def run(scale: workloads.Scale, names: list[str], out_dir: Path, slots: int) -> dict[str, Any]:
+def run(
+    scale: workloads.Scale,
+    names: list[str],
+    out_dir: Path,
+    slots: int,
+    note_placement: str | None = None,
+) -> dict[str, Any]:
     report: dict[str, Any] = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -184,10 +195,16 @@ def run(scale: workloads.Scale, names: list[str], out_dir: Path, slots: int) -> 
         "workloads": {},
     }
     with tempfile.TemporaryDirectory(prefix="pg-cache-") as tmp:
+        proxy_args: list[str] = []
+        if note_placement is not None:
+            config = Path(tmp) / "prefixgate.toml"
+            config.write_text(f'[canonical]\nnote_placement = "{note_placement}"\n')
+            proxy_args = ["--config", str(config)]
+            report["note_placement"] = note_placement
         for name in names:
             print(f"== {name}", flush=True)
             t0 = time.monotonic()
-            runs = run_workload(name, scale, Path(tmp), slots)
+            runs = run_workload(name, scale, Path(tmp), slots, proxy_args)
             for summary in runs.values():
                 summary["seconds"] = round(time.monotonic() - t0, 1)
                 summary["loadavg"] = [round(x, 2) for x in os.getloadavg()]
@@ -244,13 +261,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default=",".join(workloads.WORKLOADS))
     parser.add_argument("--slots", type=int, default=2, help="llama-server -np")
     parser.add_argument("--out", default=str(procs.BENCH / "results"))
+    parser.add_argument(
+        "--note-placement",
+        choices=NOTE_PLACEMENTS,
+        help="the canonicalizer's note_placement for the proxied runs (default: its default)",
+    )
     args = parser.parse_args(argv)
     scale = workloads.QUICK if args.quick else workloads.Scale()
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     unknown = [n for n in names if n not in workloads.WORKLOADS]
     if unknown:
         parser.error(f"unknown workloads {unknown}; known: {', '.join(workloads.WORKLOADS)}")
-    report = run(scale, names, Path(args.out), args.slots)
+    report = run(scale, names, Path(args.out), args.slots, args.note_placement)
     print_table(report)
     print(f"wrote {Path(args.out) / 'cache.json'}")
     return 0

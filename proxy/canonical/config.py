@@ -5,7 +5,7 @@ Built once at start-up from the TOML file's ``[canonical]`` table by ``config_fr
     [canonical]
     enabled = true
     dry_run = false                      # compute and report, forward the original
-    note_placement = "user_prefix"       # user_prefix | user_suffix | system_suffix
+    note_placement = "user_prefix"       # user_prefix | user_suffix | last_suffix | system_suffix
     note_format = "{entries}"            # {entries}: one "[[date_1]] = <value>" line each
 
     [canonical.rules.stable_json]
@@ -66,8 +66,13 @@ RULE_NAMES: tuple[str, ...] = (
 )
 VOLATILE_RULES: tuple[str, ...] = RULE_NAMES[2:]
 
-NotePlacement = Literal["user_prefix", "user_suffix", "system_suffix"]
-NOTE_PLACEMENTS: tuple[NotePlacement, ...] = ("user_prefix", "user_suffix", "system_suffix")
+NotePlacement = Literal["user_prefix", "user_suffix", "last_suffix", "system_suffix"]
+NOTE_PLACEMENTS: tuple[NotePlacement, ...] = (
+    "user_prefix",
+    "user_suffix",
+    "last_suffix",
+    "system_suffix",
+)
 DEFAULT_NOTE_FORMAT = "{entries}"
 
 Option = bool | int

@@ -40,6 +40,13 @@ reaches the backend as::
     without the note, and the cache still covers the message's own text, which
     ``user_prefix`` gives up. In an agent loop, where tool results follow the user message
     on every request, the difference is the whole user message on every request.
+  - ``last_suffix``: like ``user_suffix``, but on the newest message of the request when it is
+    a user or a tool message (an agent loop's newest message is usually a tool result). The
+    history before it, tool calls and results included, is then byte-identical from turn to
+    turn, where ``user_suffix`` gives up everything after the user message that started the
+    loop. The model reads the values at the end of the newest tool result instead of next to
+    the user's words. A request whose newest message is from the assistant (a prefill to
+    continue) is left alone: text appended there would become part of the answer.
   - ``system_suffix``: a blank line and the note appended to the last leading system message.
     The note then sits before the conversation: the system prompt and tools stay cached, but
     a value that changes between turns (a clock time) invalidates the whole history. It
@@ -300,6 +307,14 @@ def note_target(body: dict[str, Any], placement: NotePlacement) -> NoteTarget | 
         if not indexes:
             return "no_system_message"
         index = indexes[-1]
+    elif placement == "last_suffix":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return "no_user_message"
+        last = messages[-1]
+        if type(last) is not dict or last.get("role") not in ("user", "tool"):
+            return "newest_message_not_user_or_tool"
+        index = len(messages) - 1
     else:
         found = newest_user_index(body)
         if found is None:

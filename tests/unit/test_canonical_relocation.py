@@ -13,10 +13,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "data" / "canonical"))
 
+import itertools
+
 import agent_requests  # the realistic request builder
 
 from proxy.canonical import CanonicalConfig, Canonicalizer, CustomPattern, RuleConfig
-from proxy.canonical.config import NotePlacement
+from proxy.canonical.config import NOTE_PLACEMENTS, NotePlacement
 from proxy.config import ConfigError
 
 CHAT = "/v1/chat/completions"
@@ -122,6 +124,56 @@ def test_user_suffix_placement() -> None:
     assert parts["messages"][1]["content"][-1]["text"].startswith("\n\n[[date_1]] = ")
 
 
+def test_last_suffix_placement_follows_the_newest_tool_result() -> None:
+    """last_suffix puts the note after the newest message when it is a tool result, and the
+    history before it (the user message, tool calls and earlier results) is left as written."""
+    body = chat(ARIA, "book a room")
+    call = {"id": "c1", "type": "function", "function": {"name": "rooms", "arguments": "{}"}}
+    body["messages"] += [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "room 4 is free"},
+    ]
+    out = canonical(body, "last_suffix")
+    assert out["messages"][-1]["content"] == (
+        "room 4 is free\n\n[[date_1]] = Monday, November 30, 2026\n"
+        "[[uuid_1]] = 550e8400-e29b-41d4-a716-446655440000"
+    )
+    assert out["messages"][1:3] == body["messages"][1:3]
+    # With a user message last it is user_suffix.
+    assert canonical(chat(ARIA, "hello"), "last_suffix") == canonical(
+        chat(ARIA, "hello"), "user_suffix"
+    )
+
+
+def test_last_suffix_turn_after_turn_keeps_the_history_identical() -> None:
+    """Each turn's request is the last one plus new messages (the application never sees the
+    note), so everything up to the newest message renders the same as in the turn before."""
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": "Now: 2026-11-30T10:00:00Z. You book rooms."},
+        {"role": "user", "content": "book a room"},
+    ]
+    sent = []
+    for turn in range(3):
+        history[0] = {
+            "role": "system",
+            "content": f"Now: 2026-11-30T10:00:{turn:02d}Z. You book rooms.",
+        }
+        sent.append(canonical({"messages": [dict(m) for m in history]}, "last_suffix"))
+        call = {"id": f"c{turn}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        history.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        history.append({"role": "tool", "tool_call_id": f"c{turn}", "content": f"result {turn}"})
+    for before, after in itertools.pairwise(sent):
+        kept = len(before["messages"]) - 1
+        assert after["messages"][:kept] == before["messages"][:kept]
+        assert after["messages"][kept]["content"].startswith(
+            _unnoted(before["messages"][kept]["content"])
+        )
+
+
+def _unnoted(content: str) -> str:
+    return content.split("\n\n[[", 1)[0]
+
+
 def test_system_suffix_placement() -> None:
     """system_suffix appends the note to the last leading system message."""
     body = chat(ARIA, "hello")
@@ -150,6 +202,15 @@ def test_custom_note_format() -> None:
             "message_content_not_text",
         ),
         ([{"role": "user", "content": "x"}], "system_suffix", "no_system_message"),
+        (
+            [
+                {"role": "system", "content": ARIA},
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": "Sure, "},
+            ],
+            "last_suffix",
+            "newest_message_not_user_or_tool",
+        ),
     ],
 )
 def test_nothing_is_relocated_without_a_place_for_the_note(
@@ -195,7 +256,7 @@ def test_disabled_volatile_rules_leave_their_values() -> None:
     assert "[[uuid_1]]" not in out["messages"][1]["content"]
 
 
-@pytest.mark.parametrize("placement", ["user_prefix", "user_suffix", "system_suffix"])
+@pytest.mark.parametrize("placement", NOTE_PLACEMENTS)
 def test_relocation_is_idempotent(placement: NotePlacement) -> None:
     """A canonical request canonicalizes to the same bytes, whatever the placement."""
     body = agent_requests.request(seed=1, crlf=True)
