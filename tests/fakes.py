@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -58,6 +59,7 @@ class RecordLog(list[RequestRecord]):
 
 
 ProxyClient = TestClient[web.Request, web.Application]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MakeProxy = Callable[..., Awaitable[tuple[ProxyClient, RecordLog, web.Application]]]
 
 
@@ -149,9 +151,47 @@ class FakeBackend:
         """Empty the prompt cache (so a direct request sees what the proxied one saw)."""
         self._seen.clear()
 
+    def app(self) -> web.Application:
+        """The server: the endpoints both servers have, then its own (``_own_routes``)."""
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/metrics", self.metrics)
+        self._own_routes(app.router)
+        return app
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._oai(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._oai(request, chat=False)
+
     # -- to be provided by each server ---------------------------------------------------------
 
-    def app(self) -> web.Application:
+    def _own_routes(self, router: web.UrlDispatcher) -> None:
+        raise NotImplementedError
+
+    async def health(self, request: web.Request) -> web.Response:
+        raise NotImplementedError
+
+    async def models(self, request: web.Request) -> web.Response:
+        raise NotImplementedError
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        raise NotImplementedError
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        raise NotImplementedError
+
+    async def _oai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        """``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
+        raise NotImplementedError
+
+    def reject_message(self) -> str:
+        """The error message of a request answered with ``Knobs.reject_status``."""
         raise NotImplementedError
 
     # -- shared plumbing -------------------------------------------------------------------------
@@ -175,6 +215,38 @@ class FakeBackend:
                 request.transport.close()  # the proxy sees the connection reset, no status line
             return web.Response(status=500)
         return body
+
+    async def _accept(self, request: web.Request) -> dict[str, Any] | web.Response:
+        """An inference request's body, captured; or the answer when it is not to be served."""
+        body = await self._capture(request)
+        if isinstance(body, web.Response):
+            return body
+        if self.knobs.reject_status is not None:
+            return self.error_response(self.knobs.reject_status, self.reject_message())
+        return body
+
+    async def _peek(self, request: web.Request) -> dict[str, Any] | None:
+        """The body of an inference request the handler will serve (not an error), uncaptured."""
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(body, dict) or self.knobs.reject_status is not None:
+            return None
+        return body
+
+    def _token_events(
+        self, piece: Callable[[dict[str, Any], str, str | None], bytes]
+    ) -> list[bytes]:
+        """The reasoning then content token events, each one ``piece(delta, text, None)``."""
+        k = self.knobs
+        events = [piece({"reasoning_content": t}, t, None) for t in k.reasoning]
+        return events + [piece({"content": t}, t, None) for t in k.tokens]
+
+    def _model_list(self, owned_by: str, **fields: Any) -> web.Response:
+        """``GET /v1/models``: the one model, with this server's own ``fields`` after the common."""
+        model = {"id": MODEL, "object": "model", "created": self._created, "owned_by": owned_by}
+        return web.json_response({"object": "list", "data": [{**model, **fields}]})
 
     def cache_lookup(self, body: Mapping[str, Any]) -> tuple[int, int]:
         """(prompt_tokens, cached_tokens) for ``body``; remembers the prompt."""
@@ -225,6 +297,10 @@ class FakeBackend:
             "predicted_per_second": 1000.0 / per_token if per_token else 0.0,
         }
 
+    def _stream_events(self, events: list[bytes]) -> list[bytes]:
+        """``events`` as this server sends them (a subclass may rewrite them)."""
+        return events
+
     async def _run_stream(
         self,
         request: web.Request,
@@ -236,6 +312,7 @@ class FakeBackend:
         error_tail: bytes,
     ) -> web.StreamResponse:
         """Send ``lead`` then ``events`` (the first ``token_events`` paced by the knobs)."""
+        events = self._stream_events(events)
         k = self.knobs
         if k.header_delay_s:
             await self._pause(k.header_delay_s)
@@ -273,6 +350,18 @@ class FakeBackend:
 FakeBackendT = TypeVar("FakeBackendT", bound=FakeBackend)
 
 
+# llama-server's mid-stream error event.
+_DECODE_FAILED = sse(
+    {"error": {"code": 500, "message": "the slot failed to decode", "type": "server_error"}}
+)
+
+
+def wants_usage(body: Mapping[str, Any]) -> bool:
+    """Whether a streamed request asked for the usage chunk (``stream_options.include_usage``)."""
+    opts = body.get("stream_options")
+    return isinstance(opts, Mapping) and opts.get("include_usage") is True
+
+
 def _chunk_meta(object_: str, created: int, rid: str) -> dict[str, Any]:
     return {"id": rid, "object": object_, "created": created, "model": MODEL}
 
@@ -284,18 +373,13 @@ class LlamaFake(FakeBackend):
     total_slots = 4
     fingerprint = "b6000-abcdef12"
 
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/props", self.props)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/tokenize", self.tokenize)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/completion", self.native)
-        app.router.add_get("/slots", self.slots)
-        app.router.add_get("/metrics", self.metrics)
-        return app
+    def _own_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_get("/props", self.props)
+        router.add_post("/completion", self.native)
+        router.add_get("/slots", self.slots)
+
+    def reject_message(self) -> str:
+        return "the request exceeds the context size"
 
     def error_response(self, status: int, message: str) -> web.Response:
         kind = "invalid_request_error" if status < 500 else "server_error"
@@ -371,20 +455,7 @@ class LlamaFake(FakeBackend):
 
     async def models(self, request: web.Request) -> web.Response:
         self.last_query = dict(request.query)
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": MODEL,
-                        "object": "model",
-                        "created": self._created,
-                        "owned_by": "llamacpp",
-                        "meta": {"n_ctx_train": 8192},
-                    }
-                ],
-            }
-        )
+        return self._model_list("llamacpp", meta={"n_ctx_train": 8192})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         got = await self._capture(request)
@@ -407,19 +478,11 @@ class LlamaFake(FakeBackend):
         prompt, cached = self.cache_lookup(body)
         return prompt, min(cached, max(prompt - 1, 0))
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._oai(request, chat=True)
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._oai(request, chat=False)
-
     async def _oai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        body = await self._capture(request)
+        body = await self._accept(request)
         if isinstance(body, web.Response):
             return body
         k = self.knobs
-        if k.reject_status is not None:
-            return self.error_response(k.reject_status, "the request exceeds the context size")
         prompt, cached = self._counts(body)
         n_out = len(k.reasoning) + len(k.tokens)
         usage = self._usage(prompt, cached, n_out)
@@ -448,8 +511,7 @@ class LlamaFake(FakeBackend):
                     "timings": timings,
                 }
             )
-        opts = body.get("stream_options")
-        include_usage = isinstance(opts, Mapping) and opts.get("include_usage") is True
+        include_usage = wants_usage(body)
         obj = "chat.completion.chunk" if chat else "text_completion"
         meta = {**_chunk_meta(obj, self._created, rid), "system_fingerprint": self.fingerprint}
 
@@ -460,8 +522,7 @@ class LlamaFake(FakeBackend):
                 choice = {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}
             return sse({"choices": [choice], **meta})
 
-        events = [piece({"reasoning_content": t}, t, None) for t in k.reasoning]
-        events += [piece({"content": t}, t, None) for t in k.tokens]
+        events = self._token_events(piece)
         n_tokens = len(events)
         lead = [piece({"role": "assistant", "content": None}, None, None)] if chat else []
         if chat:
@@ -481,20 +542,20 @@ class LlamaFake(FakeBackend):
             }
             events.append(sse(done))
         events.append(DONE)
-        error = sse(
-            {"error": {"code": 500, "message": "the slot failed to decode", "type": "server_error"}}
-        )
         return await self._run_stream(
-            request, events, token_events=n_tokens, lead=lead, error_event=error, error_tail=b""
+            request,
+            events,
+            token_events=n_tokens,
+            lead=lead,
+            error_event=_DECODE_FAILED,
+            error_tail=b"",
         )
 
     async def native(self, request: web.Request) -> web.StreamResponse:
-        body = await self._capture(request)
+        body = await self._accept(request)
         if isinstance(body, web.Response):
             return body
         k = self.knobs
-        if k.reject_status is not None:
-            return self.error_response(k.reject_status, "the request exceeds the context size")
         prompt, cached = self._counts(body)
         n_out = len(k.tokens)
         final: dict[str, Any] = {
@@ -532,11 +593,8 @@ class LlamaFake(FakeBackend):
             for i, t in enumerate(k.tokens)
         ]
         events.append(sse({**final, "content": ""}))
-        error = sse(
-            {"error": {"code": 500, "message": "the slot failed to decode", "type": "server_error"}}
-        )
         return await self._run_stream(
-            request, events, token_events=n_out, lead=[], error_event=error, error_tail=b""
+            request, events, token_events=n_out, lead=[], error_event=_DECODE_FAILED, error_tail=b""
         )
 
 
@@ -549,16 +607,11 @@ class VllmFake(FakeBackend):
         super().__init__(knobs)
         self.prompt_tokens_details = prompt_tokens_details
 
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/version", self.version)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/tokenize", self.tokenize)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_get("/metrics", self.metrics)
-        return app
+    def _own_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_get("/version", self.version)
+
+    def reject_message(self) -> str:
+        return f"This model's maximum context length is {self.max_model_len} tokens."
 
     def error_response(self, status: int, message: str) -> web.Response:
         kind = "BadRequestError" if status < 500 else "InternalServerError"
@@ -597,22 +650,8 @@ class VllmFake(FakeBackend):
         return web.json_response({"version": "0.11.0"})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": MODEL,
-                        "object": "model",
-                        "created": self._created,
-                        "owned_by": "vllm",
-                        "root": MODEL,
-                        "parent": None,
-                        "max_model_len": self.max_model_len,
-                        "permission": [],
-                    }
-                ],
-            }
+        return self._model_list(
+            "vllm", root=MODEL, parent=None, max_model_len=self.max_model_len, permission=[]
         )
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -639,22 +678,11 @@ class VllmFake(FakeBackend):
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._oai(request, chat=True)
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._oai(request, chat=False)
-
     async def _oai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        body = await self._capture(request)
+        body = await self._accept(request)
         if isinstance(body, web.Response):
             return body
         k = self.knobs
-        if k.reject_status is not None:
-            return self.error_response(
-                k.reject_status,
-                f"This model's maximum context length is {self.max_model_len} tokens.",
-            )
         prompt, cached = self.cache_lookup(body)
         # vLLM caches whole blocks of 16 tokens.
         cached = (cached // 16) * 16
@@ -699,8 +727,7 @@ class VllmFake(FakeBackend):
                     "usage": full_usage,
                 }
             )
-        opts = body.get("stream_options")
-        include_usage = isinstance(opts, Mapping) and opts.get("include_usage") is True
+        include_usage = wants_usage(body)
         meta = _chunk_meta(
             "chat.completion.chunk" if chat else "text_completion", self._created, rid
         )
@@ -719,8 +746,7 @@ class VllmFake(FakeBackend):
                 choice["stop_reason"] = None
             return sse({**meta, "choices": [choice]})
 
-        events = [piece({"reasoning_content": t}, t, None) for t in k.reasoning]
-        events += [piece({"content": t}, t, None) for t in k.tokens]
+        events = self._token_events(piece)
         n_tokens = len(events)
         lead = [piece({"role": "assistant", "content": ""}, "", None)] if chat else []
         events.append(piece({"content": ""}, "", "stop"))
@@ -847,16 +873,16 @@ class SlotLlamaFake(LlamaFake):
             self.slot_busy[slot] = False
             self._freed.notify_all()
 
-    async def _on_slot(
-        self,
-        request: web.Request,
-        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
-    ) -> web.StreamResponse:
-        try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError:
-            return await handler(request)
-        if not isinstance(body, dict) or self.knobs.reject_status is not None:
+    @asynccontextmanager
+    async def _idle(self, slot: int) -> AsyncIterator[None]:
+        """Hold the slots' lock once ``slot`` is idle (a save or restore waits for its request)."""
+        async with self._freed:
+            await self._freed.wait_for(lambda: not self.slot_busy[slot])
+            yield
+
+    async def _on_slot(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        body = await self._peek(request)
+        if body is None:
             return await handler(request)
         words = prompt_words(body)
         pinned = body.get("id_slot")
@@ -878,7 +904,7 @@ class SlotLlamaFake(LlamaFake):
     async def _with_slot(
         self,
         request: web.Request,
-        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+        handler: Handler,
         slot: int,
         *,
         stream: bool,
@@ -899,30 +925,15 @@ class SlotLlamaFake(LlamaFake):
         counts = _SLOT_COUNTS.get()
         return counts if counts is not None else super()._counts(body)
 
-    async def _run_stream(
-        self,
-        request: web.Request,
-        events: list[bytes],
-        *,
-        token_events: int,
-        lead: list[bytes],
-        error_event: bytes,
-        error_tail: bytes,
-    ) -> web.StreamResponse:
+    def _stream_events(self, events: list[bytes]) -> list[bytes]:
         slot = _SERVING_SLOT.get()
-        if slot is not None:  # native streams name the slot on the final event, -1 before it
-            events = [
-                e.replace(b'"id_slot":0,', b'"id_slot":%d,' % (slot if b'"stop":true' in e else -1))
-                for e in events
-            ]
-        return await super()._run_stream(
-            request,
-            events,
-            token_events=token_events,
-            lead=lead,
-            error_event=error_event,
-            error_tail=error_tail,
-        )
+        if slot is None:
+            return events
+        # Native streams name the slot on the final event, -1 before it.
+        return [
+            e.replace(b'"id_slot":0,', b'"id_slot":%d,' % (slot if b'"stop":true' in e else -1))
+            for e in events
+        ]
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._on_slot(request, super().chat)
@@ -962,9 +973,7 @@ class SlotLlamaFake(LlamaFake):
         filename = str(body.get("filename", ""))
         action = request.query.get("action")
         if action == "save":
-            async with self._freed:
-                while self.slot_busy[slot]:
-                    await self._freed.wait()
+            async with self._idle(slot):
                 self._files[filename] = list(self.slot_words[slot])
             self.saves += 1
             n = len(self._files[filename])
@@ -974,9 +983,7 @@ class SlotLlamaFake(LlamaFake):
         if action == "restore":
             if filename not in self._files:
                 return self.error_response(400, "failed to restore slot")
-            async with self._freed:
-                while self.slot_busy[slot]:
-                    await self._freed.wait()
+            async with self._idle(slot):
                 self.slot_words[slot] = list(self._files[filename])
             self.restores += 1
             n = len(self.slot_words[slot])
@@ -1014,16 +1021,9 @@ class ApcVllmFake(VllmFake):
             keys.append(h)
         return keys
 
-    async def _apc(
-        self,
-        request: web.Request,
-        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
-    ) -> web.StreamResponse:
-        try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError:
-            return await handler(request)
-        if not isinstance(body, dict) or self.knobs.reject_status is not None:
+    async def _apc(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        body = await self._peek(request)
+        if body is None:
             return await handler(request)
         words = prompt_words(body)
         keys = self._block_keys(words)
