@@ -27,11 +27,10 @@ from proxy.store.window import (
     HOUR_S,
     MINUTE_S,
     StatsWindow,
-    WindowBuilder,
     bucket_field,
     hours_between,
-    plan_buckets,
 )
+from proxy.store.window_query import WindowQuery
 
 _BucketKey = tuple[str, int, int]  # (namespace, resolution_s, index)
 
@@ -212,11 +211,12 @@ class EmbeddedStore:
         namespace: str | None = None,
     ) -> StatsWindow:
         """Add up the window's buckets."""
-        ns = namespace or DEFAULT_NAMESPACE
-        plan = plan_buckets(since_s, self._clock() if until_s is None else until_s)
-        builder = WindowBuilder(plan, namespace=ns, model=model, backend=backend)
-        for ref in plan.buckets:
-            bucket = self._buckets.get((ns, ref.resolution_s, ref.index))
+        query = WindowQuery.resolve(
+            since_s, until_s, self._clock, namespace=namespace, model=model, backend=backend
+        )
+        builder = query.builder()
+        for ref in query.plan.buckets:
+            bucket = self._buckets.get((query.namespace, ref.resolution_s, ref.index))
             if bucket:
                 builder.add_bucket(ref.point_ts, bucket.items())
         return builder.build()

@@ -74,11 +74,10 @@ from proxy.store.window import (
     HOUR_S,
     MINUTE_S,
     StatsWindow,
-    WindowBuilder,
     bucket_field,
     hours_between,
-    plan_buckets,
 )
+from proxy.store.window_query import WindowQuery
 
 T = TypeVar("T")
 _Call = tuple[LuaScript, Sequence[str], Sequence[Any]]
@@ -439,28 +438,28 @@ class RedisStore:
         namespace: str | None = None,
     ) -> StatsWindow:
         """Add up the window's buckets (one pipelined ``HGETALL`` per bucket)."""
-        ns = namespace or DEFAULT_NAMESPACE
-        plan = plan_buckets(since_s, self._clock() if until_s is None else until_s)
-
-        def empty() -> StatsWindow:
-            return WindowBuilder(plan, namespace=ns, model=model, backend=backend).build()
+        query = WindowQuery.resolve(
+            since_s, until_s, self._clock, namespace=namespace, model=model, backend=backend
+        )
+        buckets = query.plan.buckets
 
         async def run() -> StatsWindow:
-            builder = WindowBuilder(plan, namespace=ns, model=model, backend=backend)
-            if plan.buckets:
+            builder = query.builder()
+            if buckets:
                 pipe = self._client.pipeline(transaction=False)
-                for ref in plan.buckets:
+                for ref in buckets:
                     kind = "m" if ref.resolution_s == MINUTE_S else "h"
-                    pipe.hgetall(self._stats_key(ns, kind, ref.index))
+                    pipe.hgetall(self._stats_key(query.namespace, kind, ref.index))
                 hashes = await pipe.execute()
-                for ref, raw in zip(plan.buckets, hashes, strict=True):
+                for ref, raw in zip(buckets, hashes, strict=True):
                     if raw:
                         builder.add_bucket(
                             ref.point_ts, ((_text(k), float(v)) for k, v in raw.items())
                         )
             return builder.build()
 
-        return await self._guarded("query_stats", self._opts.timeouts.read_s, empty(), run)
+        empty = query.builder().build()
+        return await self._guarded("query_stats", self._opts.timeouts.read_s, empty, run)
 
     async def top_prefixes(
         self, *, since_s: float, limit: int = 10, namespace: str | None = None
