@@ -57,18 +57,12 @@ def simulate_lru(requests: Sequence[TraceRequest], capacity_tokens: float) -> tu
     move = cache.move_to_end
     evict = cache.popitem
     size = 0.0
-    total = hits = rate_sum = 0.0
-    counted = 0
+    hit_tokens: list[float] = []
     for r in requests:
         keys = r.keys
         n = len(keys)
         k = leading_run(keys, cache)
-        hit = r.tokens_upto(k)
-        total += r.prompt_tokens
-        hits += hit
-        if r.prompt_tokens:
-            rate_sum += hit / r.prompt_tokens
-            counted += 1
+        hit_tokens.append(r.tokens_upto(k))
         if k < n:
             new = keys[n - 1 : k - 1 : -1] if k else keys[::-1]
             cum = r.cum_tokens
@@ -85,7 +79,7 @@ def simulate_lru(requests: Sequence[TraceRequest], capacity_tokens: float) -> tu
             deque(map(move, keys[k - 1 :: -1]), maxlen=0)
         while size > capacity_tokens and cache:
             size -= evict(last=False)[1]
-    return (hits / total if total else 0.0), (rate_sum / counted if counted else 0.0)
+    return _hit_rates(requests, hit_tokens)
 
 
 def _uniform_block(requests: Sequence[TraceRequest]) -> float | None:
@@ -104,18 +98,12 @@ def _simulate_uniform(
     od: OrderedDict[PrefixKey, None] = OrderedDict()
     move = od.move_to_end
     evict = od.popitem
-    total = hits = rate_sum = 0.0
-    counted = 0
+    hit_tokens: list[float] = []
     for r in requests:
         keys = r.keys
         n = len(keys)
         k = leading_run(keys, od)
-        hit = r.tokens_upto(k)
-        total += r.prompt_tokens
-        hits += hit
-        if r.prompt_tokens:
-            rate_sum += hit / r.prompt_tokens
-            counted += 1
+        hit_tokens.append(r.tokens_upto(k))
         if k < n:
             od.update(zip(keys[n - 1 : k - 1 : -1] if k else keys[::-1], repeat(None)))
         if k:
@@ -123,6 +111,21 @@ def _simulate_uniform(
         excess = len(od) - capacity_blocks
         if excess > 0:  # evict the least recent, in C: popitem(last=False) ``excess`` times
             deque(map(evict, repeat(False, excess)), maxlen=0)
+    return _hit_rates(requests, hit_tokens)
+
+
+def _hit_rates(
+    requests: Sequence[TraceRequest], hit_tokens: Sequence[float]
+) -> tuple[float, float]:
+    """Token-weighted and mean per-request hit rate, from each request's hit tokens."""
+    total = hits = rate_sum = 0.0
+    counted = 0
+    for r, hit in zip(requests, hit_tokens, strict=True):
+        total += r.prompt_tokens
+        hits += hit
+        if r.prompt_tokens:
+            rate_sum += hit / r.prompt_tokens
+            counted += 1
     return (hits / total if total else 0.0), (rate_sum / counted if counted else 0.0)
 
 

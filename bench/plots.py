@@ -54,6 +54,31 @@ def _bars(ax: Any, groups: list[str], series: dict[str, list[float | None]]) -> 
     ax.set_xticklabels(groups)
 
 
+def _save(fig: Any, path: Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _bar_chart(
+    path: Path,
+    groups: list[str],
+    series: dict[str, list[float | None]],
+    *,
+    ylabel: str,
+    title: str,
+) -> Path:
+    """A chart of one panel of grouped bars, written to ``path``."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    _bars(ax, groups, series)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def overhead_plots(report: dict[str, Any], out: Path) -> list[Path]:
     table: dict[str, dict[str, Any]] = report["comparison"]
     proxies = [t for t in table if t != "direct"]
@@ -83,37 +108,28 @@ def overhead_plots(report: dict[str, Any], out: Path) -> list[Path]:
         ax.axhline(0, color="black", linewidth=0.5)
         ax.legend(fontsize=8)
     fig.suptitle(f"What each proxy adds (fake backend, 16 tokens 2 ms apart). {note}", fontsize=9)
-    fig.tight_layout()
-    path = out / "overhead_latency.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save(fig, out / "overhead_latency.png"))
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
     conc = [c for c in (64, 256) if any(f"c{c}.rps" in row for row in table.values())]
-    series = {t: [table[t].get(f"c{c}.rps") for c in conc] for t in table}
-    _bars(ax, [f"{c} streams" for c in conc], series)
-    ax.set_ylabel("completed requests/s")
-    ax.set_title("Sustained requests/s, closed loop", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "overhead_throughput.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
     levels = ["1", *(str(c) for c in conc)]
-    series = {p: [table[p].get(f"rss_mb.{lv}") for lv in levels] for p in proxies}
-    _bars(ax, [f"{lv} stream{'s' if lv != '1' else ''}" for lv in levels], series)
-    ax.set_ylabel("peak RSS, MB (process tree)")
-    ax.set_title("Proxy memory", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "overhead_rss.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    one_panel: list[tuple[str, list[str], dict[str, list[float | None]], str, str]] = [
+        (
+            "overhead_throughput.png",
+            [f"{c} streams" for c in conc],
+            {t: [table[t].get(f"c{c}.rps") for c in conc] for t in table},
+            "completed requests/s",
+            "Sustained requests/s, closed loop",
+        ),
+        (
+            "overhead_rss.png",
+            [f"{lv} stream{'s' if lv != '1' else ''}" for lv in levels],
+            {p: [table[p].get(f"rss_mb.{lv}") for lv in levels] for p in proxies},
+            "peak RSS, MB (process tree)",
+            "Proxy memory",
+        ),
+    ]
+    for name, groups, series, ylabel, title in one_panel:
+        written.append(_bar_chart(out / name, groups, series, ylabel=ylabel, title=title))
     return written
 
 
@@ -136,11 +152,7 @@ def cache_plot(report: dict[str, Any], out: Path) -> list[Path]:
         ax.tick_params(axis="x", labelsize=8, rotation=15)
         ax.legend(fontsize=8)
     fig.suptitle(f"Cache gains: {report['backend']}", fontsize=9)
-    fig.tight_layout()
-    path = out / "cache_gains.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [_save(fig, out / "cache_gains.png")]
 
 
 def main(argv: list[str] | None = None) -> int:
