@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
-from fakes import ProxyClient, RecordLog
+from fakes import FakeBackend, MakeProxy, ProxyClient, RecordLog
 
-from proxy.records import RequestRecord
+from proxy.records import Pricing, RequestRecord, Slo
 from proxy.state import STATE
 
 APPS: dict[str, str] = {
@@ -60,3 +60,19 @@ async def send_all(
     await records.wait(start + len(bodies))
     await app[STATE].writer.drain()
     return list(records[start:])
+
+
+async def traffic_with_an_error(
+    fake: FakeBackend, make_proxy: MakeProxy, rejected: dict[str, Any]
+) -> tuple[ProxyClient, list[RequestRecord]]:
+    """A proxy with an SLO and prices in front of ``fake``, after ``mixed_requests`` and then
+    ``rejected``, which the backend answers 400; the client and the records of all of them."""
+    client, records, app = await make_proxy(
+        fake.url,
+        slo=Slo(ttft_ms=5000, tpot_ms=1000),
+        pricing=Pricing(input_per_mtok=3.0, cached_input_per_mtok=0.3),
+    )
+    recs = await send_all(client, records, app, mixed_requests())
+    fake.knobs.reject_status = 400
+    recs += await send_all(client, records, app, [rejected])
+    return client, recs

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from admin_traffic import chat, mixed_requests, send_all
+from admin_traffic import chat, send_all, traffic_with_an_error
 from fakes import LlamaFake, MakeProxy
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.admin import METRICS
 from proxy.admin.metrics import OTHER, ProxyMetrics
-from proxy.records import Pricing, RequestRecord, Slo
+from proxy.records import RequestRecord
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
@@ -63,14 +63,7 @@ async def scrape(client: Any) -> Samples:
 
 async def test_metrics_match_the_traffic(llama_fake: LlamaFake, make_proxy: MakeProxy) -> None:
     """Counters equal the records' sums; histograms counted every request; gauges are live."""
-    client, records, app = await make_proxy(
-        llama_fake.url,
-        slo=Slo(ttft_ms=5000, tpot_ms=1000),
-        pricing=Pricing(input_per_mtok=3.0, cached_input_per_mtok=0.3),
-    )
-    recs = await send_all(client, records, app, mixed_requests())
-    llama_fake.knobs.reject_status = 400
-    recs += await send_all(client, records, app, [chat("coder", "too long?")])
+    client, recs = await traffic_with_an_error(llama_fake, make_proxy, chat("coder", "too long?"))
     m = await scrape(client)
 
     assert set(m) >= CONTRACT, CONTRACT - set(m)

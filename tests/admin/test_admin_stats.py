@@ -6,11 +6,10 @@ import time
 from typing import Any
 
 import pytest
-from admin_traffic import chat, mixed_requests, send_all
+from admin_traffic import chat, mixed_requests, send_all, traffic_with_an_error
 from fakes import LlamaFake, MakeProxy
 
 from proxy.admin.stats import SCHEMA, WINDOWS
-from proxy.records import Pricing, Slo
 from proxy.state import STATE
 from proxy.store import StatsSample
 
@@ -55,14 +54,7 @@ async def get_stats(client: Any, query: str = "", status: int = 200, **headers: 
 
 async def test_schema_under_traffic(llama_fake: LlamaFake, make_proxy: MakeProxy) -> None:
     """Every contract key is present and the totals add up to the records the proxy wrote."""
-    client, records, app = await make_proxy(
-        llama_fake.url,
-        slo=Slo(ttft_ms=5000, tpot_ms=1000),
-        pricing=Pricing(input_per_mtok=3.0, cached_input_per_mtok=0.3),
-    )
-    recs = await send_all(client, records, app, mixed_requests())
-    llama_fake.knobs.reject_status = 400
-    recs += await send_all(client, records, app, [chat("support", "rejected?")])
+    client, recs = await traffic_with_an_error(llama_fake, make_proxy, chat("support", "rejected?"))
 
     body = await get_stats(client)
     assert body["schema"] == SCHEMA == "prefixgate.stats/v1"

@@ -5,7 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from fakes import Knobs, LlamaFake, MakeProxy, ProxyClient, fleet_proxy, serve, sse_payloads
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from fakes import (
+    Knobs,
+    LlamaFake,
+    MakeProxy,
+    ProxyClient,
+    RecordLog,
+    fleet_proxy,
+    serve,
+    sse_payloads,
+)
 
 from proxy.state import STATE
 
@@ -16,6 +27,23 @@ CHAT: dict[str, Any] = {"model": "fake-model", "messages": [{"role": "user", "co
 async def pair(aiohttp_server: Any) -> tuple[LlamaFake, LlamaFake]:
     """Two llama.cpp fakes: the first (``bad``) is the one tests break."""
     return (await serve(LlamaFake(), aiohttp_server), await serve(LlamaFake(), aiohttp_server))
+
+
+@pytest.fixture
+async def doomed_pair(aiohttp_server: Any) -> tuple[LlamaFake, LlamaFake, TestServer]:
+    """Two llama.cpp fakes and the first one's server, which tests close to make it go away."""
+    doomed = LlamaFake()
+    server = await aiohttp_server(doomed.app())
+    doomed.url = str(server.make_url("")).rstrip("/")
+    return doomed, await serve(LlamaFake(), aiohttp_server), server
+
+
+async def round_robin(
+    make_proxy: MakeProxy, bad: LlamaFake, good: LlamaFake, knobs: Knobs
+) -> tuple[ProxyClient, RecordLog, web.Application]:
+    """The proxy taking turns between ``bad``, set to misbehave as ``knobs`` say, and ``good``."""
+    bad.knobs = knobs
+    return await fleet_proxy(make_proxy, bad, good, policy="round-robin")
 
 
 async def first_to(client: ProxyClient, body: dict[str, Any]) -> tuple[int, bytes]:
@@ -32,8 +60,7 @@ async def test_connection_reset_is_retried_on_another_replica(
     bad, good = pair
     # Two drops: the relay resends once on a fresh connection (a stale keep-alive one looks
     # the same); only a replica failing that too is given up on.
-    bad.knobs = Knobs(drop_connections=2)
-    client, records, app = await fleet_proxy(make_proxy, bad, good, policy="round-robin")
+    client, records, app = await round_robin(make_proxy, bad, good, Knobs(drop_connections=2))
     got = [await first_to(client, {**CHAT, "stream": stream}) for _ in range(2)]
     assert [status for status, _ in got] == [200, 200]
     if stream:
@@ -56,8 +83,7 @@ async def test_503_is_retried_without_ejecting(
 ) -> None:
     """A 503 status line (no slot, loading) goes to the other replica; the first stays in."""
     bad, good = pair
-    bad.knobs = Knobs(reject_status=503)
-    client, records, app = await fleet_proxy(make_proxy, bad, good, policy="round-robin")
+    client, records, app = await round_robin(make_proxy, bad, good, Knobs(reject_status=503))
     for _ in range(2):
         assert (await first_to(client, CHAT))[0] == 200
     await records.wait(2)
@@ -71,8 +97,7 @@ async def test_other_statuses_are_not_retried(
 ) -> None:
     """A 500 or a 400 from the backend is its answer: relayed as is, never retried."""
     bad, good = pair
-    bad.knobs = Knobs(reject_status=500)
-    client, records, _ = await fleet_proxy(make_proxy, bad, good, policy="round-robin")
+    client, records, _ = await round_robin(make_proxy, bad, good, Knobs(reject_status=500))
     statuses = sorted([(await first_to(client, CHAT))[0] for _ in range(2)])
     assert statuses == [200, 500]
     await records.wait(2)
@@ -103,8 +128,7 @@ async def test_no_retry_once_bytes_reached_the_client(
 ) -> None:
     """A stream cut after its first tokens ends with an error event; nothing is resent."""
     bad, good = pair
-    bad.knobs = Knobs(drop_after=2)
-    client, records, app = await fleet_proxy(make_proxy, bad, good, policy="round-robin")
+    client, records, app = await round_robin(make_proxy, bad, good, Knobs(drop_after=2))
     streams = [await first_to(client, {**CHAT, "stream": True}) for _ in range(2)]
     await records.wait(2)
     cut = next(r for r in records if r.backend == bad.url)
@@ -116,13 +140,10 @@ async def test_no_retry_once_bytes_reached_the_client(
 
 
 async def test_dead_replica_is_retried_and_ejected(
-    aiohttp_server: Any, make_proxy: MakeProxy
+    doomed_pair: tuple[LlamaFake, LlamaFake, TestServer], make_proxy: MakeProxy
 ) -> None:
     """A replica whose server went away (connection refused) is skipped for the request."""
-    bad = LlamaFake()
-    server = await aiohttp_server(bad.app())
-    bad.url = str(server.make_url("")).rstrip("/")
-    good = await serve(LlamaFake(), aiohttp_server)
+    bad, good, server = doomed_pair
     client, records, app = await fleet_proxy(make_proxy, bad, good, policy="round-robin")
     await server.close()
     for _ in range(3):
@@ -144,13 +165,10 @@ async def test_single_replica_connection_failure_is_502(
 
 
 async def test_passthrough_get_goes_to_the_next_replica(
-    aiohttp_server: Any, make_proxy: MakeProxy
+    doomed_pair: tuple[LlamaFake, LlamaFake, TestServer], make_proxy: MakeProxy
 ) -> None:
     """A GET the first backend cannot take (it went away) is served by the next healthy one."""
-    first = LlamaFake()
-    server = await aiohttp_server(first.app())
-    first.url = str(server.make_url("")).rstrip("/")
-    second = await serve(LlamaFake(), aiohttp_server)
+    first, second, server = doomed_pair
     client, _, app = await fleet_proxy(make_proxy, first, second)
     await server.close()
     async with client.get("/v1/models") as resp:
