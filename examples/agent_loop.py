@@ -6,7 +6,9 @@ Agents commonly start their system prompt with "Current time: ...". That one lin
 every call, and since a backend's prompt cache only reuses an identical *prefix*, everything after
 it (instructions, tool schemas, the conversation) is computed again each turn. prefixgate's
 canonicalizer moves the value into a note beside the newest user message, so the system prompt
-stays byte-identical and the backend serves it from cache.
+stays byte-identical and the backend serves it from cache. With ``note_placement = "last_suffix"``
+in the proxy's ``[canonical]`` table the note goes after the newest tool result instead, and the
+tool calls and results of earlier turns stay cached too (see the README's canonicalizer section).
 
 For every model call this prints the prompt tokens, the cached prompt tokens the backend
 reported, and the canonicalization rules that fired (response header X-Prefixgate-Canonical).
