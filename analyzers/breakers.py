@@ -29,7 +29,7 @@ import xxhash
 
 from analyzers.divergence import Prompt, Span, canonical_json, dumps, normalise_lines, walk
 from analyzers.ideal import IdealReplay
-from analyzers.spans import CUSTOM_PREFIX, RULE_STABLE_JSON, RULE_WHITESPACE
+from analyzers.spans import CUSTOM_PREFIX, RULE_NOTE, RULE_STABLE_JSON, RULE_WHITESPACE
 from analyzers.trace import PrefixKey, TraceRequest
 
 POOL = 6  # recent requests of the same application walked against each request
@@ -37,6 +37,11 @@ MIN_LOSS_BYTES = 256  # less than a block: not worth a rule, and often chance ag
 UNKNOWN_RULE = "unknown: log request bodies to see the span"
 _DIGIT_WORDS = re.compile(r"[\w-]*\d[\w-]*")
 _DIGITS = re.compile(r"\d+")
+NOTE_HINT = (
+    "the value is in prefixgate's relocation note, which moves to each new user message and "
+    "breaks the turns after it (tool calls and results); [canonical] note_placement = "
+    '"last_suffix" puts it after the newest message instead'
+)
 _HINTS = {
     "tools": "tool schemas changed; stable_json if only key or tool order differs",
     "system": "system prompt changed; typically volatile_timestamps or volatile_uuids",
@@ -177,6 +182,7 @@ def _walk_best(
                 later=span.later,
                 before=span.kind.before,
                 after=span.kind.after,
+                hint=NOTE_HINT if span.kind.rule == RULE_NOTE else "",
             )
         breaker.occurrences += 1
         breaker.requests.add(idx)

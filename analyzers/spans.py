@@ -23,6 +23,9 @@ RULE_TIMESTAMPS = "volatile_timestamps"
 RULE_UUIDS = "volatile_uuids"
 RULE_HEX = "volatile_hex_ids"
 RULE_REWRITTEN = "none: content rewritten (no safe rule)"
+RULE_NOTE = 'note_placement = "last_suffix"'
+"""The value differs inside prefixgate's own relocation note (``[[datetime_1]] = ...``): the
+note sits before conversation that follows it, which ``last_suffix`` avoids."""
 CUSTOM_PREFIX = "custom pattern: "
 
 RESYNC_PROBE = 16  # bytes that must agree again for a difference to count as a span
@@ -156,8 +159,20 @@ def _show(data: bytes) -> str:
     return data.decode("utf-8", "replace").replace("\x1e", "⏎")
 
 
+_NOTE_LINE = re.compile(r"\[\[[A-Za-z0-9_]+_\d+\]\] =")
+
+
 def classify(a: bytes, a_lo: int, a_hi: int, b: bytes, b_lo: int, b_hi: int) -> SpanKind:
     """Name the rule that would make ``a[a_lo:a_hi]`` and ``b[b_lo:b_hi]`` not matter."""
+    kind = _classify(a, a_lo, a_hi, b, b_lo, b_hi)
+    if _NOTE_LINE.fullmatch(kind.context.strip()):  # strip: also the content-start mark
+        # A value in the note prefixgate's canonicalizer wrote: the value was relocated
+        # already, but the note was placed before messages that follow it.
+        return SpanKind(RULE_NOTE, kind.before, kind.after, kind.context)
+    return kind
+
+
+def _classify(a: bytes, a_lo: int, a_hi: int, b: bytes, b_lo: int, b_hi: int) -> SpanKind:
     sa, sb = a[a_lo:a_hi], b[b_lo:b_hi]
     if _line_end_blanks(a, a_lo, a_hi) and _line_end_blanks(b, b_lo, b_hi):
         return SpanKind(RULE_WHITESPACE, _show(sa), _show(sb), _show(_context(b, b_lo)))

@@ -13,7 +13,7 @@ import planted  # the known-answer input builders
 
 from analyzers import analyze
 from analyzers.breakers import UNKNOWN_RULE
-from analyzers.spans import classify, first_difference, resync, suggest_pattern
+from analyzers.spans import RULE_NOTE, classify, first_difference, resync, suggest_pattern
 
 
 def write_log(tmp_path: Path, bodies: list[dict[str, object]], *, with_body: bool) -> Path:
@@ -116,3 +116,38 @@ def test_custom_pattern_suggestion() -> None:
     """Suggestions keep the literal context and generalise the value's character class."""
     assert suggest_pattern(b"count: ", b"17", b"18") == r"count:\ \d+"
     assert suggest_pattern(b"id=", b"ab12", b"cd34") == r"id=[A-Za-z0-9]+"
+
+
+def agent_turns(placement: str, turns: int = 5) -> list[dict[str, object]]:
+    """The bodies an agent loop sends through prefixgate: a clock in the system prompt,
+    one user message, then a growing history of tool calls and results."""
+    from proxy.backends.base import CHAT
+    from proxy.canonical import Canonicalizer
+    from proxy.canonical.config import CanonicalConfig
+
+    canonicalizer = Canonicalizer(CanonicalConfig(note_placement=placement))  # type: ignore[arg-type]
+    history: list[dict[str, object]] = [{"role": "user", "content": "Plan my week."}]
+    sent = []
+    for turn in range(turns):
+        system = {"role": "system", "content": f"Now: 2026-11-30T10:0{turn}:17Z. You plan weeks."}
+        body = {"model": "m", "messages": [system, *history]}
+        sent.append(canonicalizer.apply(CHAT, body).body)
+        call = {"id": f"c{turn}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        history.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        history.append({"role": "tool", "tool_call_id": f"c{turn}", "content": "event " * 120})
+    return sent
+
+
+def test_a_relocation_note_before_tool_turns_is_named(tmp_path: Path) -> None:
+    """Logged bodies of an agent loop canonicalized with user_prefix: the value that breaks the
+    prefix is in prefixgate's own note, and the report says which placement avoids it."""
+    result = analyze([write_log(tmp_path, agent_turns("user_prefix"), with_body=True)])
+    notes = [b for b in result.breakers if b.rule == RULE_NOTE]
+    assert notes and notes[0].where == "message"
+    assert "last_suffix" in notes[0].hint
+    assert notes[0].before.startswith("2026-11-30T10:0")
+
+
+def test_last_suffix_leaves_an_agent_loop_without_breakers(tmp_path: Path) -> None:
+    result = analyze([write_log(tmp_path, agent_turns("last_suffix"), with_body=True)])
+    assert result.breakers == []
