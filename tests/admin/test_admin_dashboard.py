@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from admin_traffic import mixed_requests, send_all
@@ -26,6 +27,7 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 TOKEN = "dash-board-token"
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -48,6 +50,29 @@ class Console:
         self.errors: list[str] = []
         page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: self.errors.append(str(e)))
+
+
+async def until(
+    read: Callable[[], Awaitable[T]], ok: Callable[[T], bool], timeout_s: float = 10.0
+) -> T:
+    """Poll ``read`` from the test until ``ok``; no script evaluated in the page, whose CSP
+    (``script-src 'self'``) forbids the string evaluation ``wait_for_function`` relies on."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        value = await read()
+        if ok(value):
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"still {value!r} after {timeout_s} s")
+        await asyncio.sleep(0.05)
+
+
+async def _renders(page: Any) -> int:
+    return int(await page.get_attribute("body", "data-renders") or 0)
+
+
+async def _url(page: Any) -> str:
+    return str(page.url)
 
 
 async def open_page(browser: Any, url: str, **context: Any) -> tuple[Any, Console]:
@@ -128,12 +153,12 @@ async def test_charts_draw_the_traffic(
     # The window selector refetches and re-renders; the choice is kept in the URL.
     renders = int(await page.get_attribute("body", "data-renders") or 0)
     await page.click('#window-select button[data-window="5m"]')
-    await page.wait_for_function(f"Number(document.body.dataset.renders) > {renders}")
+    await until(lambda: _renders(page), lambda n: n > renders)
     assert re.search(r"window=5m", page.url)
     assert "last 5 minutes" in await page.inner_text("#foot-window")
     assert await page.get_attribute('[data-window="5m"]', "aria-checked") == "true"
     await page.select_option("#model-select", "fake-model")
-    await page.wait_for_function("location.search.includes('model=fake-model')")
+    await until(lambda: _url(page), lambda url: "model=fake-model" in url)
 
     await page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
