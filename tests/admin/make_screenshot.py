@@ -37,6 +37,7 @@ from aiohttp import ClientSession, web
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from chromium import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 from fakes import LlamaFake  # noqa: E402
 
 from proxy.app import build_app  # noqa: E402
@@ -46,15 +47,6 @@ from proxy.records import Pricing, RecordWriter, RequestRecord, Slo  # noqa: E40
 from proxy.state import STATE  # noqa: E402
 from proxy.store import StatsSample  # noqa: E402
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 SLO = Slo(ttft_ms=400.0, tpot_ms=40.0)
 PRICING = Pricing(input_per_mtok=3.0, cached_input_per_mtok=0.3)
 

@@ -11,21 +11,13 @@ from typing import Any, TypeVar
 
 import pytest
 from admin_traffic import mixed_requests, send_all
+from chromium import CHROMIUM, CHROMIUM_ARGS
 from fakes import LlamaFake, MakeProxy
 
 from proxy.records import Pricing, Slo
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 TOKEN = "dash-board-token"
 T = TypeVar("T")
 
