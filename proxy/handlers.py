@@ -18,18 +18,10 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.backends import CHAT, COMPLETIONS, NATIVE_COMPLETION
 from proxy.canonical import CanonicalResult
-from proxy.errors import (
-    BackendUnavailable,
-    BadRequest,
-    PayloadTooLarge,
-    ProxyError,
-    RequestTimeout,
-    UnsupportedMediaType,
-)
+from proxy.errors import BackendUnavailable, ProxyError
 from proxy.fleet import Replica
 from proxy.log import get_logger
 from proxy.prefixes import PrefixView
@@ -46,6 +38,7 @@ from proxy.relay import (
 from proxy.routing import Decision
 from proxy.state import REQUEST_ID, STATE, T_START, TENANT, ProxyState
 from proxy.store import DEFAULT_NAMESPACE
+from proxy.validation import parse_object, read_body, validate_inference
 
 log = get_logger()
 
@@ -60,155 +53,6 @@ INFERENCE_PATHS = {
     "/completions": COMPLETIONS,
     "/completion": NATIVE_COMPLETION,
 }
-
-
-async def read_body(request: web.Request, limit: int, *, idle_s: float | None = None) -> bytes:
-    """The request body, bounded by ``limit`` (413 above it).
-
-    ``idle_s`` bounds the silence between two pieces of the body (nginx's
-    ``client_body_timeout``): a client that stops sending, or a chunked body that never ends,
-    gets a 408 instead of holding the request open for ever. A slow but steady upload is fine.
-    """
-    if request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(f"request body is {request.content_length} bytes; limit {limit}")
-    body = bytearray()
-    try:
-        while True:
-            async with asyncio.timeout(idle_s):
-                chunk = await request.content.readany()
-            if not chunk:
-                return bytes(body)
-            body += chunk
-            if len(body) > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-    except TimeoutError as exc:
-        raise RequestTimeout(f"no part of the request body arrived for {idle_s:g} s") from exc
-    except (web.RequestPayloadError, HttpProcessingError) as exc:  # bad chunking or encoding
-        cause = exc.__cause__ if isinstance(exc.__cause__, HttpProcessingError) else exc
-        detail = cause.message if isinstance(cause, HttpProcessingError) else str(cause)
-        raise BadRequest(f"request body could not be decoded: {detail.strip()}") from exc
-
-
-# Deeper bodies are refused: the proxy must be able to serialize what it forwards, and the JSON
-# encoder stops at 255 levels. No OpenAI-style request comes near (tool schemas nest a dozen).
-MAX_JSON_DEPTH = 128
-
-
-def parse_object(body: bytes, content_type: str) -> dict[str, Any]:
-    """Parse a JSON object body; anything else is the client's error (400/415)."""
-    if content_type.startswith("multipart/"):
-        raise UnsupportedMediaType(f"expected application/json, got {content_type}")
-    if not body:
-        raise BadRequest("request body is empty; expected a JSON object")
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise BadRequest(f"request body must be a JSON object, not {_json_type(obj)}")
-    if _nested_deeper(obj, body, MAX_JSON_DEPTH):
-        raise BadRequest(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
-    return obj
-
-
-def _nested_deeper(obj: dict[str, Any], raw: bytes, limit: int) -> bool:
-    """Whether containers in ``obj`` nest more than ``limit`` levels (the body itself is 1)."""
-    if raw.count(b"[") + raw.count(b"{") <= limit:
-        return False  # it cannot nest deeper than it has brackets: most bodies stop here
-    stack: list[tuple[Any, int]] = [(obj, 1)]
-    while stack:
-        node, depth = stack.pop()
-        for child in node.values() if type(node) is dict else node:
-            if type(child) is dict or type(child) is list:
-                if depth >= limit:
-                    return True
-                stack.append((child, depth + 1))
-    return False
-
-
-_JSON_TYPES = {
-    dict: "an object",
-    list: "an array",
-    str: "a string",
-    bool: "a boolean",
-    int: "a number",
-    float: "a number",
-    type(None): "null",
-}
-
-
-def _json_type(value: Any) -> str:
-    return _JSON_TYPES.get(type(value), type(value).__name__)
-
-
-def _invalid_type(param: str, expected: str, value: Any) -> BadRequest:
-    return BadRequest(
-        f"Invalid type for '{param}': expected {expected}, but got {_json_type(value)} instead.",
-        param=param,
-        code="invalid_type",
-    )
-
-
-def _missing(param: str) -> BadRequest:
-    return BadRequest(
-        f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
-    )
-
-
-# Top-level fields the proxy itself reads or rewrites, with the types it accepts (null counts as
-# absent, as in OpenAI's API).
-_TOP_LEVEL = (
-    ("model", str, "a string"),
-    ("stream", bool, "a boolean"),
-    ("stream_options", dict, "an object"),
-)
-
-
-def validate_inference(route: str, body: dict[str, Any]) -> None:
-    """Reject, with a 400 naming the field, what the proxy must understand and cannot.
-
-    Those are the fields it routes, fingerprints, canonicalizes and relays by: ``model``,
-    ``stream``, ``stream_options``, the chat ``messages`` (an array of objects with a string
-    ``role`` and string, array or null ``content``) and ``tools``, the completion ``prompt``.
-    Every other field (``max_tokens``, ``stop``, ``temperature``…) is the backend's to judge:
-    it answers its own 4xx, relayed unchanged.
-    """
-    for name, kind, expected in _TOP_LEVEL:
-        value = body.get(name)
-        if value is not None and not isinstance(value, kind):
-            raise _invalid_type(name, expected, value)
-    if route == CHAT:
-        _validate_chat(body)
-        return
-    prompt = body.get("prompt")
-    if prompt is None or isinstance(prompt, str | list):
-        return
-    if route == NATIVE_COMPLETION and isinstance(prompt, dict):
-        return  # llama.cpp's multimodal prompt object
-    raise _invalid_type("prompt", "a string or an array", prompt)
-
-
-def _validate_chat(body: dict[str, Any]) -> None:
-    messages = body.get("messages")
-    if messages is None:
-        raise _missing("messages")
-    if not isinstance(messages, list):
-        raise _invalid_type("messages", "an array", messages)
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise _invalid_type(where, "an object", message)
-        role = message.get("role")
-        if role is None:
-            raise _missing(f"{where}.role")
-        if not isinstance(role, str):
-            raise _invalid_type(f"{where}.role", "a string", role)
-        content = message.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise _invalid_type(f"{where}.content", "a string, an array or null", content)
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise _invalid_type("tools", "an array", tools)
 
 
 @dataclass(slots=True)

@@ -24,8 +24,8 @@ from proxy.backends import CHAT, COMPLETIONS, NATIVE_COMPLETION, Dialect, dialec
 from proxy.canonical import Canonicalizer, config_from_mapping
 from proxy.errors import BadRequest, UnsupportedMediaType
 from proxy.fingerprint import fingerprint
-from proxy.handlers import MAX_JSON_DEPTH, parse_object, validate_inference
 from proxy.sse import EventSplitter
+from proxy.validation import MAX_JSON_DEPTH, parse_object, validate_inference
 from tests.reliability.strategies import request_body, wild_json
 
 ROUTES = (CHAT, COMPLETIONS, NATIVE_COMPLETION)
