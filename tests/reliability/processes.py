@@ -258,6 +258,7 @@ class TcpGate:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: list[asyncio.StreamWriter] = []
+        self._closed = False
 
     async def start(self) -> TcpGate:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -272,21 +273,29 @@ class TcpGate:
         self._open.set()
 
     async def close(self) -> None:
+        self._closed = True
         if self._server is not None:
             self._server.close()
-        for w in self._writers:
-            w.close()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for w in self._writers:  # after the tasks: a connection accepted meanwhile is here too
+            w.transport.abort()  # not close(): it waits to flush to a peer that may not read
+        if self._server is not None:
+            await self._server.wait_closed()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.append(writer)  # closed by close() even if it comes while we connect
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         except OSError:
             writer.close()
             return
-        self._writers += [writer, up_writer]
+        self._writers.append(up_writer)
+        if self._closed:
+            writer.close()
+            up_writer.close()
+            return
         for src, dst in ((reader, up_writer), (up_reader, writer)):
             task = asyncio.ensure_future(self._pump(src, dst))
             self._tasks.add(task)

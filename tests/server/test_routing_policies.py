@@ -41,7 +41,10 @@ async def test_prefix_affinity_keeps_conversations_on_their_replica(
     """A conversation's first turn is a miss; its later turns follow it ("affinity") and hit."""
     fakes = three[:2]
     client, records, _ = await fleet_proxy(make_proxy, *fakes)
-    convs, turns = 6, 3
+    # Misses on an idle fleet are spread by a hash of the prompt over the replicas' URLs
+    # (random ports here): with 12 conversations all landing on one of two replicas by chance
+    # is a 1-in-2,000 event, where with 6 it was 1 in 32.
+    convs, turns = 12, 3
     for t in range(1, turns + 1):
         for n in range(convs):
             await post(client, conversation(n, t))
