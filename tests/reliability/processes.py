@@ -276,6 +276,10 @@ class TcpGate:
         self._closed = True
         if self._server is not None:
             self._server.close()
+        # Connections the server took just before closing get their handler on the next turns
+        # of the loop: let them start (so they are tracked), then stop everything.
+        for _ in range(3):
+            await asyncio.sleep(0)
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -286,6 +290,10 @@ class TcpGate:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.append(writer)  # closed by close() even if it comes while we connect
+        me = asyncio.current_task()
+        if me is not None:  # cancelled by close() while it connects upstream
+            self._tasks.add(me)
+            me.add_done_callback(self._tasks.discard)
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         except OSError:
