@@ -296,8 +296,7 @@ class StreamInspector:
         """Observe ``event`` and append what should reach the client to ``out``."""
         ex, obs = self.ex, self.ex.obs
         if obs.t_first_visible is not None and plain_token_event(event, ex.route):
-            obs.t_last_token = now
-            obs.token_events += 1
+            self._count_token(now)
             self._release(out)
             out.append(event)
             return
@@ -347,9 +346,13 @@ class StreamInspector:
             or not plain_token_event(chunk, self.ex.route)
         ):
             return False
-        obs.t_last_token = now
-        obs.token_events += 1
+        self._count_token(now)
         return True
+
+    def _count_token(self, now: float) -> None:
+        """A plain token event passed: it is the latest token, and one more."""
+        self.ex.obs.t_last_token = now
+        self.ex.obs.token_events += 1
 
     def _release(self, out: list[bytes], carry: Mapping[str, Any] | None = None) -> None:
         if self._held is None:
