@@ -108,6 +108,7 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
             redis_url=settings.redis_url,
             options=StoreOptions(
                 stats_retention_s=settings.stats_retention_s,
+                traffic_window_s=settings.traffic_window_s,
                 timeouts=StoreTimeouts(lookup_s=t.store),
             ),
         )

@@ -9,6 +9,7 @@ the environment names and the TOML keys all come from that table.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tomllib
 from collections.abc import Callable, Mapping
@@ -84,6 +85,8 @@ class Settings:
     block_bytes: int = 256
     capacity_tokens: int | None = None
     stats_retention_s: int = 7 * 24 * 3600
+    traffic_window_s: float = 120.0
+    """Bucket length of the recent-traffic counts behind the traffic-shared depth."""
     canonicalize: bool = True
     canonical_dry_run: bool = False
     canonical: Mapping[str, Any] = field(default_factory=dict)
@@ -284,6 +287,37 @@ OPTIONS: tuple[Option, ...] = (
         metavar="RATIO",
     ),
     Option(
+        "load_gate_slack",
+        float,
+        "prefix-affinity: requests added to the load gate's limit, so a nearly idle fleet "
+        "never gates",
+        2.0,
+        metavar="N",
+    ),
+    Option(
+        "shared_share",
+        float,
+        "prefix-affinity: a leading block carried by at least this share of recent requests is "
+        "shared by most traffic and never counts as affinity",
+        0.5,
+        metavar="SHARE",
+    ),
+    Option(
+        "min_window_requests",
+        int,
+        "prefix-affinity: below this many requests in the traffic window no block counts as shared",
+        16,
+        metavar="N",
+    ),
+    Option(
+        "traffic_window_s",
+        float,
+        "prefix-affinity: bucket length of the recent-traffic counts, seconds (a read covers "
+        "one to two buckets)",
+        120.0,
+        metavar="S",
+    ),
+    Option(
         "health_interval_s",
         float,
         "seconds between health checks of each backend (and reads of its own load)",
@@ -447,6 +481,9 @@ def _fleet_settings(values: Mapping[str, Any]) -> tuple[RoutingConfig, HealthChe
             policy=values["policy"],
             min_affinity_blocks=values["min_affinity_blocks"],
             load_gate_ratio=values["load_gate_ratio"],
+            load_gate_slack=values["load_gate_slack"],
+            shared_share=values["shared_share"],
+            min_window_requests=values["min_window_requests"],
         )
     except ValueError as exc:
         raise ConfigError(f"bad routing setting: {exc}") from exc
@@ -460,6 +497,8 @@ def _fleet_settings(values: Mapping[str, Any]) -> tuple[RoutingConfig, HealthChe
         raise ConfigError("--health-interval-s and --health-timeout-s must be positive")
     if health.failures < 1:
         raise ConfigError("--health-failures must be at least 1")
+    if not (math.isfinite(values["traffic_window_s"]) and values["traffic_window_s"] > 0):
+        raise ConfigError("--traffic-window-s must be a positive number")
     return routing, health
 
 
@@ -560,6 +599,7 @@ def resolve(
         block_bytes=values["block_bytes"],
         capacity_tokens=values["capacity_tokens"],
         stats_retention_s=values["stats_retention_s"],
+        traffic_window_s=values["traffic_window_s"],
         canonicalize=values["canonicalize"],
         canonical_dry_run=values["canonical_dry_run"],
         canonical=dict(toml.get("canonical", {})),

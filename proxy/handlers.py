@@ -198,23 +198,13 @@ async def _attempt(
 
     The dialect adjusts a copy of the canonical body (dialects only set top-level keys), so a
     retry on a replica of another dialect starts from the same body. The replica is claimed in
-    the index and counted in flight before anything is sent: a burst of related requests finds
-    the claim, and every proxy on the store sees the load.
+    the index and counted in flight before anything else, the scheduler's wait included: this
+    proxy's next lookup finds the claim at once (a burst of related requests arriving together
+    lands together), and every proxy on the store sees the claim and the load.
     """
     replica = target.replica
     ex.backend_url = replica.url
     ex.dialect = replica.dialect
-    body = dict(out.body)
-    edited = out.changed
-    if out.tenant is not None and ex.dialect.partition_cache(body, out.tenant):
-        edited = True
-    ex.strip_usage = ex.dialect.prepare(ex.route, body, stream=ex.stream)
-    # Where on the replica it goes (llama.cpp slot) and when (coalescing); may wait.
-    ticket = await state.scheduler.admit(ex, replica, view, body, model=out.model, stream=ex.stream)
-    ex.on_first_token = ticket.first_token
-    edited = edited or ticket.body_changed
-    ex.upstream_body = orjson.dumps(body) if edited or ex.strip_usage else out.raw
-    out.sent = body
     capacity = replica.capacity_tokens(state.settings.capacity_tokens)
     replica.in_flight += 1
     state.writer.spawn(
@@ -223,7 +213,21 @@ async def _attempt(
             state.tracker.in_flight(view, replica.url, +1),
         )
     )
+    ticket = None
     try:
+        body = dict(out.body)
+        edited = out.changed
+        if out.tenant is not None and ex.dialect.partition_cache(body, out.tenant):
+            edited = True
+        ex.strip_usage = ex.dialect.prepare(ex.route, body, stream=ex.stream)
+        # Where on the replica it goes (llama.cpp slot) and when (coalescing); may wait.
+        ticket = await state.scheduler.admit(
+            ex, replica, view, body, model=out.model, stream=ex.stream
+        )
+        ex.on_first_token = ticket.first_token
+        edited = edited or ticket.body_changed
+        ex.upstream_body = orjson.dumps(body) if edited or ex.strip_usage else out.raw
+        out.sent = body
         return await relay_inference(
             request,
             state.session,
@@ -233,7 +237,8 @@ async def _attempt(
             retry=retry,
         )
     finally:
-        ticket.end(ok=200 <= ex.status < 400 and ex.error is None)
+        if ticket is not None:
+            ticket.end(ok=200 <= ex.status < 400 and ex.error is None)
         replica.in_flight -= 1
         state.writer.spawn(state.tracker.in_flight(view, replica.url, -1))
 
@@ -261,6 +266,7 @@ async def _retry(
     healthy replica left, the client gets the first replica's answer or error.
     """
     first = target.replica
+    state.tracker.unclaim(view, first.url)
     if failed.connection_failed:
         state.fleet.report_failure(first, failed.reason)
     decision = state.fleet.reroute(view, tried={first.url})

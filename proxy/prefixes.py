@@ -6,19 +6,22 @@ every proxy) and how much of the prompt recent traffic shares (``PrefixView``: w
 needs). The chosen replica's match, converted to tokens with the model's measured
 tokens-per-byte, is the *predicted* cached tokens. Right after routing, ``claim`` records the
 request's blocks for the chosen replica, so related requests arriving before it finishes follow
-it; ``in_flight`` keeps the shared load count. After the response: record the blocks again (the
-backend now holds them), learn the tokens-per-byte ratio from the backend's ``prompt_tokens``,
-count the request in the traffic window and fold the finished record into the statistics — all
-in the background.
+it: at once in this proxy's own memory (``RecentClaims``, which the next lookup reads even before
+the store write has landed: a burst of related requests arriving together lands together), and
+in the store in the background for every other proxy; ``in_flight`` keeps the shared load
+count. After the response: record the blocks again (the backend now holds them), learn the
+tokens-per-byte ratio from the backend's ``prompt_tokens``, count the request in the traffic
+window and fold the finished record into the statistics — all in the background.
 
-When the store does not answer the lookup, the view falls back to this proxy's own numbers: no
-matches, its local in-flight counts, a shared depth of 0.
+When the store does not answer the lookup, the view falls back to this proxy's own numbers: its
+recent claims as matches, its local in-flight counts, a shared depth of 0.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +81,86 @@ class TokensPerByte:
         self._ratio[key] = ratio if old is None else old + self._alpha * (ratio - old)
 
 
+def checkpoints(n: int) -> Iterator[int]:
+    """Indices of a chain of ``n`` blocks that ``RecentClaims`` files a claim under, deepest
+    first: the last block, then blocks ``2**k - 1`` (the 1st, 2nd, 4th, 8th...). Two chains
+    sharing ``m`` leading blocks share a checkpoint at depth at least ``m / 2``."""
+    if n <= 0:
+        return
+    yield n - 1
+    k = 1 << (n - 1).bit_length()
+    while k > 1:
+        k >>= 1
+        if k - 1 < n - 1:
+            yield k - 1
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], known: int) -> int:
+    """Leading blocks two hash chains share, given that they share ``known`` (chained hashes:
+    equal at ``i`` means equal everywhere before ``i``, so a binary search finds the end)."""
+    lo, hi = known, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class RecentClaims:
+    """Claims this proxy made in the last ``ttl_s`` seconds, read by its next lookups.
+
+    The store learns a claim in the background, and requests that arrive together all look up
+    the index before any of those writes lands; without this they would all miss and spread over
+    the fleet. A claim is filed under ``(namespace, replica, hash)`` at the checkpoint indices of
+    its chain and keeps a reference to the chain, so a lookup finds a claim sharing at least half
+    of its match in O(log n) probes and measures the exact match by binary search. Bounded by
+    ``max_entries`` (oldest out first) and by the TTL.
+    """
+
+    __slots__ = ("_entries", "_max_entries", "_ttl_s")
+
+    def __init__(self, *, ttl_s: float = 5.0, max_entries: int = 65_536) -> None:
+        self._ttl_s = ttl_s
+        self._max_entries = max_entries
+        self._entries: OrderedDict[tuple[str, str, int], tuple[float, Sequence[int]]] = (
+            OrderedDict()
+        )
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, namespace: str, replica: str, hashes: Sequence[int], now: float) -> None:
+        entries = self._entries
+        value = (now + self._ttl_s, hashes)
+        for i in checkpoints(len(hashes)):
+            key = (namespace, replica, hashes[i])
+            entries[key] = value
+            entries.move_to_end(key)
+        while entries:
+            key, (expiry, _) = next(iter(entries.items()))
+            if expiry > now and len(entries) <= self._max_entries:
+                break
+            del entries[key]
+
+    def forget(self, namespace: str, replica: str, hashes: Sequence[int]) -> None:
+        """Drop a claim (its replica failed before serving the request)."""
+        for i in checkpoints(len(hashes)):
+            self._entries.pop((namespace, replica, hashes[i]), None)
+
+    def matched(self, namespace: str, replica: str, hashes: Sequence[int], now: float) -> int:
+        """Leading blocks of ``hashes`` that a live claim for ``replica`` holds."""
+        entries = self._entries
+        if not entries:
+            return 0
+        for i in checkpoints(len(hashes)):
+            found = entries.get((namespace, replica, hashes[i]))
+            if found is not None and found[0] > now:
+                return common_prefix(hashes, found[1], i + 1)
+        return 0
+
+
 class PrefixTracker:
     """Fingerprints requests, predicts their cache hits and keeps the index and statistics."""
 
@@ -95,6 +178,7 @@ class PrefixTracker:
         self.depth = TrafficDepth.from_config(routing or RoutingConfig())
         self._labels = log_prompt_labels
         self._local_in_flight: dict[str, int] = {}
+        self.recent = RecentClaims()
 
     async def lookup(
         self,
@@ -107,13 +191,22 @@ class PrefixTracker:
     ) -> PrefixView:
         """Fingerprint ``body``; read matches, loads and the shared depth (one round trip)."""
         fp = fingerprint(route, body, block_bytes=self.block_bytes, salt=salt)
-        found = await self.store.lookup(namespace, replicas, fp.block_hashes)
+        hashes = fp.block_hashes
+        found = await self.store.lookup(namespace, replicas, hashes)
         local = self._local_in_flight
         loads = {r: max(found.loads.get(r, 0.0), float(local.get(r, 0))) for r in replicas}
+        matched: Mapping[str, int] = found.matched
+        if len(self.recent):
+            now = time.monotonic()
+            recent = self.recent
+            matched = {
+                r: max(found.matched.get(r, 0), recent.matched(namespace, r, hashes, now))
+                for r in replicas
+            }
         return PrefixView(
             fp=fp,
             namespace=namespace,
-            matched_blocks=found.matched,
+            matched_blocks=matched,
             loads=loads,
             shared_blocks=self.depth.shared_blocks(found.window_requests, found.hash_counts),
             available=found.available,
@@ -144,13 +237,28 @@ class PrefixTracker:
         ratio = self.tokens_per_byte.get(model)
         return max(int(capacity_tokens / ratio / self.block_bytes), 1)
 
-    async def claim(
+    def claim(
         self, view: PrefixView, replica: str, capacity_tokens: int, model: str | None = None
+    ) -> Coroutine[Any, Any, None]:
+        """Record the request's blocks for the replica it was just routed to.
+
+        This proxy's next lookups see the claim at once (``RecentClaims``), so related requests
+        arriving together follow the first one; the returned coroutine writes it to the store
+        for every proxy (run it in the background right after choosing). It also counts the
+        request in the traffic window at arrival (as the fleet simulator does), so a burst
+        sharing a system prompt is seen as shared traffic while it is still arriving."""
+        if view.fp.block_hashes:
+            self.recent.add(view.namespace, replica, view.fp.block_hashes, time.monotonic())
+        return self._claim(view, replica, capacity_tokens, model)
+
+    def unclaim(self, view: PrefixView, replica: str) -> None:
+        """Forget this proxy's claim for a replica that failed before serving the request (a
+        retry goes elsewhere; related requests should follow the retry, not the failure)."""
+        self.recent.forget(view.namespace, replica, view.fp.block_hashes)
+
+    async def _claim(
+        self, view: PrefixView, replica: str, capacity_tokens: int, model: str | None
     ) -> None:
-        """Record the request's blocks for the replica it was just routed to (run it in the
-        background right after choosing), so related requests arriving meanwhile follow it, and
-        count the request in the traffic window at arrival (as the fleet simulator does), so a
-        burst sharing a system prompt is seen as shared traffic while it is still arriving."""
         if view.fp.block_hashes:
             await self.store.observe_traffic(
                 view.namespace, view.fp.block_hashes[:TRAFFIC_MAX_BLOCKS]

@@ -45,6 +45,20 @@ class InflightPrefixes:
     def __len__(self) -> int:
         return len(self._owner)
 
+    def cached(self, hashes: tuple[int, ...], matched: int) -> int:
+        """How many of the ``matched`` leading blocks the index holds are really cached.
+
+        Routing claims a prompt's blocks in the index as soon as the request is sent, so the
+        index also holds blocks that a request is still prefilling: those are not cached until
+        its first token, and a follower should wait for them rather than skip them.
+        """
+        owner = self._owner
+        if owner:
+            for i in range(min(matched, len(hashes))):
+                if hashes[i] in owner:
+                    return i
+        return matched
+
     def shared(self, hashes: tuple[int, ...]) -> tuple[Leader | None, int]:
         """The leader to wait for and how many of ``hashes`` in-flight requests are computing.
 

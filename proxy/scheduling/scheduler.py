@@ -246,7 +246,7 @@ class Scheduler:
             )
             await self._pin(ticket, state, self._table(state, replica), req, body)
         else:
-            cached = view.matched_for(replica.url)
+            cached = state.inflight.cached(fp.block_hashes, view.matched_for(replica.url))
             await self._coalesce(
                 ticket, state, fp.block_hashes[cached:], tokens_per_block, stream=stream
             )

@@ -53,3 +53,33 @@ async def test_shared_system_prompt_burst_spreads(
     assert {r.extra["route_reason"] for r in late} == {"miss"}
     holder = records[0].backend  # it has held the system prompt since the first request
     assert all(r.extra["prefix_matched_blocks"] >= 8 for r in late if r.backend == holder)
+
+
+DOCUMENT = "Attached report for the sub-agents. " + " ".join(f"finding-{i}" for i in range(400))
+
+
+async def test_related_burst_arriving_together_lands_together(
+    aiohttp_server: Any, make_proxy: MakeProxy
+) -> None:
+    """An agent fans out: six requests carrying the same new document arrive at once. The
+    first one's claim is visible to the next lookups before any store write lands, so all six
+    go where the first went (1 miss, 5 affinity) instead of splitting 3 and 3."""
+    fakes = [await serve(LlamaFake(), aiohttp_server) for _ in range(2)]
+    for f in fakes:
+        f.knobs = Knobs(header_delay_s=0.3)
+    client, records, _ = await fleet_proxy(make_proxy, *fakes)
+
+    def subtask(n: int) -> dict[str, Any]:
+        return {
+            "model": "fake-model",
+            "messages": [
+                {"role": "system", "content": DOCUMENT},
+                {"role": "user", "content": f"sub-task {n}: summarise section {n}"},
+            ],
+        }
+
+    await asyncio.gather(*(post(client, subtask(n)) for n in range(6)))
+    await records.wait(6)
+    assert len({r.backend for r in records}) == 1
+    reasons = sorted(r.extra["route_reason"] for r in records)
+    assert reasons == ["affinity"] * 5 + ["miss"]

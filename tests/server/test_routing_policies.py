@@ -9,6 +9,7 @@ import pytest
 from fakes import Knobs, LlamaFake, MakeProxy, ProxyClient, fleet_proxy, serve
 
 from proxy.config import ConfigError, resolve
+from proxy.routing import RoutingConfig
 from proxy.state import STATE
 
 
@@ -167,7 +168,28 @@ def test_routing_settings_from_flags_env_and_toml(tmp_path: Any) -> None:
     flags = resolve({"backend": ["http://a:1=3"], "min_affinity_blocks": "4"}, environ={})
     assert flags.backends[0].weight == 3.0 and flags.routing.min_affinity_blocks == 4
     assert flags.routing.policy == "prefix-affinity" and flags.health.backend_load
+    knobs = resolve(
+        {
+            "backend": ["http://a:1"],
+            "load_gate_slack": "1",
+            "shared_share": "0.6",
+            "min_window_requests": "8",
+            "traffic_window_s": "30",
+        },
+        environ={},
+    )
+    assert knobs.routing == RoutingConfig(
+        min_affinity_blocks=2,
+        load_gate_ratio=1.5,
+        load_gate_slack=1.0,
+        shared_share=0.6,
+        min_window_requests=8,
+    )
+    assert knobs.traffic_window_s == 30.0
     for bad in (
+        {"backend": ["http://a:1"], "shared_share": "0"},
+        {"backend": ["http://a:1"], "load_gate_slack": "-1"},
+        {"backend": ["http://a:1"], "traffic_window_s": "0"},
         {"backend": ["http://a:1"], "policy": "random"},
         {"backend": ["http://a:1=0"]},
         {"backend": ["http://a:1", "http://a:1"]},

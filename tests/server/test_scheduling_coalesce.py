@@ -59,6 +59,26 @@ async def test_concurrent_requests_compute_a_shared_prefix_once(
     assert all(r.proxy_overhead_ms < r.extra["held_ms"] for r in followers)
 
 
+async def test_a_follower_arriving_after_the_claim_landed_still_waits(
+    aiohttp_server: Any, make_proxy: MakeProxy
+) -> None:
+    """Routing claims the leader's blocks in the index as soon as it is sent; a follower that
+    arrives once that claim is stored must still see those blocks as being prefilled, not as
+    cached, and wait for them."""
+    fake = await serve(ApcVllmFake(Knobs(prefill_ms_per_token=1.0)), aiohttp_server)
+    client, records, app = await make_proxy(fake.url)
+
+    async def follower() -> None:
+        await asyncio.sleep(0.15)  # the leader's ~0.5 s prefill is under way, its claim stored
+        await app[STATE].writer.drain()
+        await post_all(client, [chat(SYSTEM, "question 1?")])
+
+    await asyncio.gather(post_all(client, [chat(SYSTEM, "question 0?")]), follower())
+    await records.wait(2)
+    assert fake.computed_tokens <= 1.5 * PREFIX_WORDS
+    assert sorted(r.extra["schedule_reason"] for r in records) == ["coalesced", "lead"]
+
+
 async def test_without_coalescing_every_request_computes_the_prefix(
     apc_fake: ApcVllmFake, make_proxy: MakeProxy
 ) -> None:

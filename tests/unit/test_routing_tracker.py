@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from proxy.prefixes import PrefixTracker, PrefixView
+from proxy.prefixes import PrefixTracker, PrefixView, RecentClaims, checkpoints, common_prefix
 from proxy.records import RequestRecord
 from proxy.routing import Candidate, Router, RoutingConfig, route_key
 from proxy.store import EmbeddedStore, LookupResult
@@ -150,3 +150,48 @@ async def test_route_reason_reaches_the_statistics() -> None:
     await tracker.learn(rec, None, replica=R1, capacity_tokens=1)
     window = await store.query_stats(since_s=0)
     assert window.total.routes() == {"load_gate": 1}
+
+
+async def test_a_claim_is_seen_before_its_store_write_lands() -> None:
+    """Requests arriving together look up before any background write: this proxy's own
+    recent claims answer them, with the exact match length."""
+    tracker = PrefixTracker(EmbeddedStore(), block_bytes=BLOCK)
+    doc = "shared new document " * 60
+    first = await tracker.lookup(CHAT, body(doc), [R1, R2])
+    write = tracker.claim(first, R2, capacity_tokens=100_000)  # not run yet
+    again = await tracker.lookup(CHAT, body(doc + " and a follow-up question"), [R1, R2])
+    shared = common_prefix(first.fp.block_hashes, again.fp.block_hashes, 0)
+    assert shared >= 10
+    assert again.matched_for(R2) == shared
+    assert again.matched_for(R1) == 0
+    await write
+    # Forgotten (the replica failed before serving): the store's copy is all that is left.
+    tracker.unclaim(first, R2)
+    assert len(tracker.recent) == 0
+
+
+def test_checkpoints_find_any_shared_prefix_exactly() -> None:
+    """Every pair of chains sharing m blocks shares a checkpoint, and the match is exact."""
+    for n in range(1, 70):
+        points = list(checkpoints(n))
+        assert points[0] == n - 1 and len(set(points)) == len(points)
+        assert len(points) <= n.bit_length() + 1
+    claims = RecentClaims(ttl_s=5.0)
+    chain = list(range(1000, 1100))
+    claims.add("ns", R1, chain, now=0.0)
+    for m in range(1, 101):
+        probe = chain[:m] + [-i for i in range(1, 30)]
+        assert claims.matched("ns", R1, probe, now=1.0) == m
+    assert claims.matched("ns", R2, chain, now=1.0) == 0
+    assert claims.matched("other", R1, chain, now=1.0) == 0
+    assert claims.matched("ns", R1, chain, now=5.0) == 0  # expired
+
+
+def test_recent_claims_stay_bounded() -> None:
+    """Old claims go first, by age and by count."""
+    claims = RecentClaims(ttl_s=5.0, max_entries=100)
+    for i in range(1000):
+        claims.add("ns", R1, [i * 10 + k for k in range(8)], now=i * 0.001)
+    assert len(claims) <= 100
+    claims.add("ns", R1, [1, 2, 3], now=100.0)
+    assert len(claims) == 3
