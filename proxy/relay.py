@@ -92,11 +92,11 @@ class Exchange:
     error: str | None = None
     upstream_body: bytes = b""
     on_first_token: Callable[[Mapping[str, Any]], None] | None = None
+    """Told once, with the event (or whole answer) that carried the backend's first token."""
     response_headers: dict[str, str] = field(default_factory=dict)
+    """The proxy's own headers on the client's response (set before it starts)."""
     send_timeout_s: float | None = None
     """Longest a client may leave a write unaccepted before it is cut off (None: forever)."""
-    """The proxy's own headers on the client's response (set before it starts)."""
-    """Told once, with the event (or whole answer) that carried the backend's first token."""
 
 
 def upstream_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
