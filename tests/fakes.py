@@ -13,6 +13,12 @@ closed an unfinished response (``closed``, set when the handler is cancelled or 
 Prompt caching is modelled per fake: tokens are whitespace-separated words, and a prompt's cached
 tokens are its longest common prefix with any prompt seen before (llama.cpp keeps at least one
 token to evaluate, so its count is capped at ``prompt_tokens - 1``).
+
+Tool calling (``LlamaFake`` only) is opt-in: with ``Knobs.tool_calls`` set, a chat request that
+offers those functions (``tools``) and has no tool result after its newest user message is
+answered with the calls instead of text (``finish_reason: "tool_calls"``); the request that
+brings the results back gets the text answer. So every user turn of an agent loop is one tool
+round, then an answer.
 """
 
 from __future__ import annotations
@@ -63,6 +69,14 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MakeProxy = Callable[..., Awaitable[tuple[ProxyClient, RecordLog, web.Application]]]
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call the fake model makes: a function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str = "{}"
+
+
 @dataclass
 class Knobs:
     """How a fake behaves on its next inference requests."""
@@ -79,11 +93,42 @@ class Knobs:
     drop_after: int | None = None  # close the connection mid-stream after N token events
     prefill_ms_per_token: float = 0.5
     decode_ms_per_token: float = 10.0
+    # LlamaFake: the calls made, in place of text, when a chat request is due one (module doc).
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 def sse(obj: Any) -> bytes:
     """One SSE event the way both servers frame it."""
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def due_tool_calls(body: Mapping[str, Any], calls: Sequence[ToolCall]) -> list[ToolCall]:
+    """Those of ``calls`` a chat request gets: the ones whose function it offers in ``tools``,
+    unless ``tool_choice`` is ``"none"`` or a tool result already follows the newest user message.
+    """
+    tools = body.get("tools")
+    messages = body.get("messages")
+    if not calls or not isinstance(tools, list) or not isinstance(messages, list):
+        return []
+    if body.get("tool_choice") == "none":
+        return []
+    for m in reversed(messages):
+        role = m.get("role") if isinstance(m, Mapping) else None
+        if role == "tool":
+            return []
+        if role == "user":
+            break
+    offered = {
+        t["function"].get("name")
+        for t in tools
+        if isinstance(t, Mapping) and isinstance(t.get("function"), Mapping)
+    }
+    return [c for c in calls if c.name in offered]
+
+
+def argument_pieces(arguments: str, size: int = 8) -> list[str]:
+    """A call's arguments as the stream sends them: ``""`` with the name, then ``size`` chars."""
+    return ["", *(arguments[i : i + size] for i in range(0, len(arguments), size))]
 
 
 def common_prefix(a: list[str], b: list[str]) -> int:
@@ -484,7 +529,12 @@ class LlamaFake(FakeBackend):
             return body
         k = self.knobs
         prompt, cached = self._counts(body)
+        calls = due_tool_calls(body, k.tool_calls) if chat else []
+        ids = [f"call_{len(self.requests)}_{i}" for i in range(len(calls))]
         n_out = len(k.reasoning) + len(k.tokens)
+        if calls:
+            n_out = len(k.reasoning) + sum(len(argument_pieces(c.arguments)) for c in calls)
+        stop = "tool_calls" if calls else "stop"
         usage = self._usage(prompt, cached, n_out)
         timings = self.timings(prompt - cached, cached, n_out)
         rid = "chatcmpl-fake" if chat else "cmpl-fake"
@@ -496,7 +546,17 @@ class LlamaFake(FakeBackend):
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 if k.reasoning:
                     message["reasoning_content"] = "".join(k.reasoning)
-                choice: dict[str, Any] = {"finish_reason": "stop", "index": 0, "message": message}
+                if calls:  # llama-server: content null beside the calls
+                    message["content"] = None
+                    message["tool_calls"] = [
+                        {
+                            "type": "function",
+                            "function": {"name": c.name, "arguments": c.arguments},
+                            "id": id_,
+                        }
+                        for c, id_ in zip(calls, ids, strict=True)
+                    ]
+                choice: dict[str, Any] = {"finish_reason": stop, "index": 0, "message": message}
             else:
                 choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": "stop"}
             return web.json_response(
@@ -523,10 +583,12 @@ class LlamaFake(FakeBackend):
             return sse({"choices": [choice], **meta})
 
         events = self._token_events(piece)
+        if calls:
+            events = events[: len(k.reasoning)] + self._tool_call_events(piece, calls, ids)
         n_tokens = len(events)
         lead = [piece({"role": "assistant", "content": None}, None, None)] if chat else []
         if chat:
-            finish = {"choices": [{"finish_reason": "stop", "index": 0, "delta": {}}], **meta}
+            finish = {"choices": [{"finish_reason": stop, "index": 0, "delta": {}}], **meta}
             if include_usage:
                 events.append(sse(finish))
                 events.append(sse({"choices": [], **meta, "usage": usage, "timings": timings}))
@@ -550,6 +612,25 @@ class LlamaFake(FakeBackend):
             error_event=_DECODE_FAILED,
             error_tail=b"",
         )
+
+    @staticmethod
+    def _tool_call_events(
+        piece: Callable[[dict[str, Any] | None, str | None, str | None], bytes],
+        calls: Sequence[ToolCall],
+        ids: Sequence[str],
+    ) -> list[bytes]:
+        """Tool-call deltas as llama-server streams them: per call, index, id, type and name with
+        the arguments parsed so far, then the rest of the arguments (``index`` and ``function``)."""
+        events: list[bytes] = []
+        for index, (call, id_) in enumerate(zip(calls, ids, strict=True)):
+            first, *rest = argument_pieces(call.arguments)
+            head = {"name": call.name, "arguments": first}
+            opening = {"index": index, "id": id_, "type": "function", "function": head}
+            events.append(piece({"tool_calls": [opening]}, None, None))
+            for part in rest:
+                more = {"index": index, "function": {"arguments": part}}
+                events.append(piece({"tool_calls": [more]}, None, None))
+        return events
 
     async def native(self, request: web.Request) -> web.StreamResponse:
         body = await self._accept(request)

@@ -1,11 +1,13 @@
 """Readers for the files under deploy/, shared by the deployment tests.
 
 Small on purpose: YAML and TOML loading, a Dockerfile instruction parser (continuation lines
-joined, ``ARG`` defaults substituted in ``FROM``), and the Compose short-syntax volume splitter.
+joined, ``ARG`` defaults substituted in ``FROM``), the Compose short-syntax volume splitter, and
+a kustomize assembly for the kustomization fields deploy/k8s uses (``kustomize_build``).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shlex
@@ -143,3 +145,97 @@ def compose_mounts(service: dict[str, Any]) -> list[Mount]:
         parts = spec.split(":")
         mounts.append(Mount(parts[0], parts[1], len(parts) > 2 and "ro" in parts[2].split(",")))
     return mounts
+
+
+# -- kustomize, for the features deploy/k8s uses --------------------------------------------------
+
+# The kustomization fields ``kustomize_build`` applies; any other one is an error (teach it first).
+KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "namespace", "resources", "images"}
+IMAGE_ENTRY_FIELDS = {"name", "newName", "newTag", "digest"}
+# Kinds kustomize's namespace transformer leaves without a namespace.
+CLUSTER_SCOPED = {
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "CustomResourceDefinition",
+    "PersistentVolume",
+    "StorageClass",
+    "PriorityClass",
+    "IngressClass",
+    "RuntimeClass",
+}
+# Kinds whose references to other namespaces the transformer also rewrites (not modelled here).
+NAMESPACE_REFERRERS = {
+    "RoleBinding",
+    "ClusterRoleBinding",
+    "ValidatingWebhookConfiguration",
+    "MutatingWebhookConfiguration",
+    "APIService",
+}
+
+
+def split_image(image: str) -> tuple[str, str | None, str | None]:
+    """``[registry[:port]/]path[:tag][@digest]`` as (name, tag, digest), as kustomize reads it."""
+    rest, _, digest = image.partition("@")
+    slash = rest.rfind("/")
+    colon = rest.rfind(":")
+    if colon > slash:
+        return rest[:colon], rest[colon + 1 :], digest or None
+    return rest, None, digest or None
+
+
+def set_image(image: str, entry: dict[str, str]) -> str:
+    """``image`` after one ``images:`` entry (unchanged unless the entry's name is its name)."""
+    name, tag, digest = split_image(image)
+    if name != entry["name"]:
+        return image
+    name = entry.get("newName", name)
+    if "digest" in entry:
+        return f"{name}@{entry['digest']}"
+    if "newTag" in entry:
+        return f"{name}:{entry['newTag']}"
+    return name + (f":{tag}" if tag else "") + (f"@{digest}" if digest else "")
+
+
+def _rewrite_images(node: Any, entries: list[dict[str, str]]) -> None:
+    """Every ``containers`` / ``initContainers`` image anywhere below ``node``."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("containers", "initContainers") and isinstance(value, list):
+                for c in value:
+                    if isinstance(c, dict) and isinstance(c.get("image"), str):
+                        for entry in entries:
+                            c["image"] = set_image(c["image"], entry)
+            _rewrite_images(value, entries)
+    elif isinstance(node, list):
+        for item in node:
+            _rewrite_images(item, entries)
+
+
+def kustomize_build(folder: Path = K8S) -> list[dict[str, Any]]:
+    """The objects ``kubectl kustomize folder`` prints, for the fields this base uses.
+
+    ``resources`` (files of the folder, in order), then ``namespace`` (set on every namespaced
+    object), then ``images`` (each container image whose name matches an entry gets the entry's
+    ``newName`` and ``newTag`` or ``digest``). A field, resource or kind beyond that is an error
+    rather than silently ignored. Kustomize's output order (by kind) is not reproduced.
+    """
+    kustomization = load_yaml(folder / "kustomization.yaml")
+    unknown = set(kustomization) - KUSTOMIZATION_FIELDS
+    assert not unknown, f"kustomize_build does not model {sorted(unknown)} yet"
+    assert kustomization["kind"] == "Kustomization"
+    objects: list[dict[str, Any]] = []
+    for resource in kustomization.get("resources", []):
+        path = folder / resource
+        assert path.is_file() and path.parent == folder, f"not a file of {folder}: {resource}"
+        objects.extend(copy.deepcopy(load_yaml_docs(path)))
+    namespace = kustomization.get("namespace")
+    for obj in objects:
+        assert obj["kind"] not in NAMESPACE_REFERRERS, f"{obj['kind']}: not modelled"
+        if namespace and obj["kind"] not in CLUSTER_SCOPED:
+            obj["metadata"]["namespace"] = namespace
+    entries = kustomization.get("images", [])
+    for entry in entries:
+        assert set(entry) <= IMAGE_ENTRY_FIELDS and "name" in entry, entry
+    _rewrite_images(objects, entries)
+    return objects

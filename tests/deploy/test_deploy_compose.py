@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import posixpath
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from deploy_files import (
     COMPOSE,
     DEPLOY,
     DOCKERFILE,
+    K8S,
+    ROOT,
     Mount,
     compose_mounts,
     dockerfile_instructions,
@@ -134,6 +137,33 @@ def test_build_uses_the_deploy_dockerfile() -> None:
     context = (COMPOSE.parent / build["context"]).resolve()
     assert (context / build["dockerfile"]).resolve() == DOCKERFILE
     assert (context / "pyproject.toml").is_file()
+
+
+# An image reference to the proxy's image in a command line: [registry/...]prefixgate[:tag].
+PROXY_IMAGE = re.compile(r"(?:[\w.-]+(?::\d+)?/)*prefixgate(?::(?P<tag>[\w.-]+))?")
+IMAGE_COMMAND = re.compile(r"\b(?:docker (?:build|run|tag|push)|image load|set image)\b")
+
+
+def test_image_tag_is_the_project_version_everywhere() -> None:
+    """compose.yaml builds ``prefixgate:<version of pyproject.toml>``; every command naming the
+    proxy's image in deploy/README.md, the Dockerfile and the kustomization uses that tag, and
+    the kustomization's images: entry deploys it (so a build, a push and the cluster agree)."""
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert services()["prefixgate"]["image"] == f"prefixgate:{version}"
+    seen = 0
+    for path in (DEPLOY / "README.md", DOCKERFILE, K8S / "kustomization.yaml"):
+        for line in path.read_text().splitlines():
+            if not IMAGE_COMMAND.search(line):
+                continue
+            for word in line.split():
+                # kustomize edit set image NAME=NEWNAME:TAG: the image is after the "=".
+                word = word.rpartition("=")[2].strip("()`'\",;")
+                if m := PROXY_IMAGE.fullmatch(word):
+                    seen += 1
+                    assert m["tag"] == version, f"{path.name}: {line.strip()}"
+    assert seen >= 8
+    (entry,) = load_yaml(K8S / "kustomization.yaml")["images"]
+    assert (entry["name"], str(entry["newTag"])) == ("prefixgate", version)
 
 
 def test_published_host_ports_are_unique() -> None:

@@ -6,12 +6,17 @@ target. Then the references a cluster would follow: the kustomization lists ever
 Services, the PodDisruptionBudget and the NetworkPolicy select the pods they mean; ports line up;
 ConfigMaps and Secrets referenced exist with the keys used; the proxy's TOML resolves with the
 proxy's own settings code and names the backend pods and Redis by their Kubernetes names.
+
+Then what ``kubectl apply -k deploy/k8s`` would send: the kustomization assembled in Python
+(``deploy_files.kustomize_build``: resources, namespace, images) and checked again as a whole.
+No test runs ``kubectl``; its ``kubectl kustomize deploy/k8s`` gave the same objects by hand.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,11 +25,16 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 from deploy_files import (
+    CLUSTER_SCOPED,
     K8S,
+    ROOT,
     dockerfile_instructions,
+    kustomize_build,
     load_toml_text,
     load_yaml,
     load_yaml_docs,
+    set_image,
+    split_image,
     stages,
 )
 
@@ -347,3 +357,179 @@ def test_client_keys_file_is_mounted_from_the_secret(tmp_path: Path) -> None:
     assert settings.api_keys_file is not None
     keys = parse_keys_file(mounted_file(settings.api_keys_file))
     assert keys and all(key.startswith("CHANGE-ME") for key in keys)
+
+
+# -- the kustomization, assembled ------------------------------------------------------------------
+
+
+@functools.cache
+def _assembled() -> tuple[dict[str, Any], ...]:
+    return tuple(kustomize_build(K8S))
+
+
+def assembled(kind: str | None = None) -> list[dict[str, Any]]:
+    """The objects ``kubectl apply -k deploy/k8s`` would send (of ``kind``, if given)."""
+    return [o for o in _assembled() if kind is None or o["kind"] == kind]
+
+
+def assembled_one(kind: str, name: str) -> dict[str, Any]:
+    found = [o for o in assembled(kind) if o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} assembled"
+    return found[0]
+
+
+def assembled_selected(selector: dict[str, str], namespace: str) -> list[dict[str, Any]]:
+    """Assembled workloads in ``namespace`` whose pods carry the ``selector`` labels."""
+    return [
+        w
+        for w in assembled()
+        if w["kind"] in WORKLOAD_KINDS
+        and w["metadata"]["namespace"] == namespace
+        and selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+    ]
+
+
+def kustomization() -> dict[str, Any]:
+    value: dict[str, Any] = load_yaml(K8S / "kustomization.yaml")
+    return value
+
+
+def project_version() -> str:
+    version: str = load_toml_text((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    return version
+
+
+def each_assembled() -> Iterator[Any]:
+    for obj in kustomize_build(K8S):
+        yield pytest.param(obj, id=kind_name(obj))
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("obj", list(each_assembled()))
+def test_assembled_object_valid_against_kubernetes_schema(
+    obj: dict[str, Any], version: str
+) -> None:
+    """Each object of the assembled kustomization (namespace set, image rewritten) validates
+    strictly against the Kubernetes API schema."""
+    kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_assembly_has_every_manifest_object_in_the_namespace() -> None:
+    """The assembly holds each object of the manifests once; every namespaced object is in the
+    kustomization's namespace, which the Namespace object creates."""
+    namespace = kustomization()["namespace"]
+    assert sorted(map(kind_name, assembled())) == sorted(map(kind_name, objects()))
+    for o in assembled():
+        if o["kind"] in CLUSTER_SCOPED:
+            assert o["kind"] == "Namespace", kind_name(o)
+            assert "namespace" not in o["metadata"]
+        else:
+            assert o["metadata"]["namespace"] == namespace, kind_name(o)
+    assert assembled_one("Namespace", namespace)
+
+
+def test_images_entry_points_the_proxy_at_a_registry() -> None:
+    """The Deployment names its image ``prefixgate``; the kustomization's ``images:`` entry
+    rewrites it to a registry path tagged with the project's version (a placeholder a user sets
+    with ``kustomize edit set image``); no other image is touched."""
+    (entry,) = kustomization()["images"]
+    assert split_image(proxy_container()["image"]) == (entry["name"], None, None)
+    assert entry["name"] == "prefixgate"
+    assert "/" in entry["newName"] and str(entry["newTag"]) == project_version()
+    deployment = assembled_one("Deployment", "prefixgate")
+    (container,) = containers(deployment)
+    assert container["image"] == f"{entry['newName']}:{entry['newTag']}"
+    for w in assembled():
+        if w["kind"] in WORKLOAD_KINDS and w is not deployment:
+            raw = one(w["kind"], w["metadata"]["name"])
+            assert [c["image"] for c in containers(w)] == [c["image"] for c in containers(raw)]
+            assert all(split_image(c["image"])[1] for c in containers(w)), "pin a tag"
+
+
+def test_assembled_services_select_pods_in_their_namespace() -> None:
+    """Each assembled Service selects exactly one workload of its own namespace."""
+    for svc in assembled("Service"):
+        found = assembled_selected(svc["spec"]["selector"], svc["metadata"]["namespace"])
+        assert len(found) == 1, kind_name(svc)
+
+
+def test_assembled_pdb_hpa_and_policy_target_the_proxies() -> None:
+    """In the assembly, the PDB selects the proxy pods, the HPA scales the proxy Deployment of
+    the same namespace, and the NetworkPolicy admits those pods to Redis."""
+    deployment = assembled_one("Deployment", "prefixgate")
+    namespace = deployment["metadata"]["namespace"]
+    (pdb,) = assembled("PodDisruptionBudget")
+    assert pdb["metadata"]["namespace"] == namespace
+    assert assembled_selected(pdb["spec"]["selector"]["matchLabels"], namespace) == [deployment]
+    (hpa,) = assembled("HorizontalPodAutoscaler")
+    assert hpa["metadata"]["namespace"] == namespace
+    ref = hpa["spec"]["scaleTargetRef"]
+    target = assembled_one(ref["kind"], ref["name"])
+    assert target is deployment and ref["apiVersion"] == deployment["apiVersion"]
+    (policy,) = assembled("NetworkPolicy")
+    assert policy["metadata"]["namespace"] == namespace
+    redis = assembled_one("StatefulSet", "redis")
+    assert assembled_selected(policy["spec"]["podSelector"]["matchLabels"], namespace) == [redis]
+    (rule,) = policy["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert assembled_selected(peer["podSelector"]["matchLabels"], namespace) == [deployment]
+
+
+def test_assembled_config_and_secret_references_exist_in_the_namespace() -> None:
+    """Every ConfigMap and Secret an assembled workload uses (volumes, env) is an assembled
+    object of the workload's namespace."""
+    refs = 0
+    for w in assembled():
+        if w["kind"] not in WORKLOAD_KINDS:
+            continue
+        namespace = w["metadata"]["namespace"]
+        wanted: list[tuple[str, str]] = []
+        for vol in pod_spec(w).get("volumes", []):
+            if "configMap" in vol:
+                wanted.append(("ConfigMap", vol["configMap"]["name"]))
+            if "secret" in vol:
+                wanted.append(("Secret", vol["secret"]["secretName"]))
+        for c in containers(w):
+            for e in c.get("env", []):
+                source = e.get("valueFrom", {})
+                if "configMapKeyRef" in source:
+                    wanted.append(("ConfigMap", source["configMapKeyRef"]["name"]))
+                if "secretKeyRef" in source:
+                    wanted.append(("Secret", source["secretKeyRef"]["name"]))
+        for kind, name in wanted:
+            refs += 1
+            assert assembled_one(kind, name)["metadata"]["namespace"] == namespace, (kind, name)
+    assert refs >= 4
+
+
+@pytest.mark.parametrize(
+    ("image", "entry", "expected"),
+    [
+        ("prefixgate", {"name": "prefixgate", "newName": "r.io/p", "newTag": "1"}, "r.io/p:1"),
+        ("prefixgate:0.0.9", {"name": "prefixgate", "newTag": "1"}, "prefixgate:1"),
+        ("prefixgate:0.0.9", {"name": "prefixgate", "newName": "x"}, "x:0.0.9"),
+        ("prefixgate@sha256:abc", {"name": "prefixgate", "newName": "x"}, "x@sha256:abc"),
+        ("prefixgate@sha256:abc", {"name": "prefixgate", "newTag": "1"}, "prefixgate:1"),
+        ("redis:7.4-alpine", {"name": "redis", "digest": "sha256:d"}, "redis@sha256:d"),
+        ("localhost:5000/p:1", {"name": "localhost:5000/p", "newTag": "2"}, "localhost:5000/p:2"),
+        ("other/prefixgate:1", {"name": "prefixgate", "newTag": "2"}, "other/prefixgate:1"),
+        ("ghcr.io/ggml-org/llama.cpp:server", {"name": "llama.cpp", "newTag": "x"}, None),
+    ],
+)
+def test_image_rewrite_follows_kustomize(
+    image: str, entry: dict[str, str], expected: str | None
+) -> None:
+    """The ``images:`` rewrite gives what kustomize 5.5 (kubectl 1.32) gave for the same entry:
+    the whole name must match; a new tag drops a digest; a name alone keeps tag or digest."""
+    assert set_image(image, entry) == (expected or image)
+
+
+def test_assembly_refuses_what_it_does_not_model(tmp_path: Path) -> None:
+    """A kustomization field the assembly does not apply (here ``commonLabels``) fails it,
+    rather than being ignored and the checks above passing on objects kustomize would change."""
+    folder = tmp_path / "k8s"
+    shutil.copytree(K8S, folder)
+    path = folder / "kustomization.yaml"
+    path.write_text(path.read_text() + "commonLabels:\n  team: a\n")
+    with pytest.raises(AssertionError, match="commonLabels"):
+        kustomize_build(folder)

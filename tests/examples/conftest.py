@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from example_runner import LiveProxy, StartProxy
-from fakes import LlamaFake, serve
+from fakes import Knobs, LlamaFake, serve
 
 from proxy.app import build_app
 from proxy.config import resolve
@@ -19,10 +19,11 @@ from proxy.config import resolve
 
 @pytest.fixture
 def start_proxy(aiohttp_server: Any) -> StartProxy:
-    """Factory: a fresh fake and a proxy in front of it, with ``Settings`` overrides."""
+    """Factory: a fresh fake (steered by ``knobs``) and a proxy in front of it, with ``Settings``
+    overrides."""
 
-    async def start(**overrides: Any) -> LiveProxy:
-        fake = await serve(LlamaFake(), aiohttp_server)
+    async def start(knobs: Knobs | None = None, **overrides: Any) -> LiveProxy:
+        fake = await serve(LlamaFake(knobs), aiohttp_server)
         settings = dataclasses.replace(resolve({"backend": [fake.url]}, environ={}), **overrides)
         server = await aiohttp_server(build_app(settings))
         root = str(server.make_url("")).rstrip("/")

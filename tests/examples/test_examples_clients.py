@@ -2,21 +2,33 @@
 what its docstring promises.
 
 The fake models a prompt cache (cached tokens = the longest prefix, in words, shared with an
-earlier prompt), so the cache figures the examples print are real figures the proxy relayed.
+earlier prompt), so the cache figures the examples print are real figures the proxy relayed. For
+the agent loop it can also call a tool once per user turn (``Knobs.tool_calls``), so the example's
+tool round runs too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import shutil
+from typing import Any
 
 import pytest
 from example_runner import EXAMPLES, LiveProxy, StartProxy, run_python_example, run_subprocess
+from fakes import Knobs, ToolCall
+from openai import OpenAI
 
 USAGE = re.compile(r"\[prompt_tokens=(\d+) cached_tokens=(\d+|None)\]")
 REPLY = "Hello there, friend!"  # the fake's answer
+EVENTS_ARGS = {"person": "Ines", "date": "2025-06-02"}
+
+
+def calls_a_tool() -> Knobs:
+    """A model that looks up a calendar once per user turn, then answers."""
+    return Knobs(tool_calls=[ToolCall("list_events", json.dumps(EVENTS_ARGS))])
 
 
 async def test_sdk_streams_and_second_request_hits_cache(
@@ -66,13 +78,81 @@ def hit_rate_after_first(calls: list[dict[str, object]]) -> float:
 
 
 async def test_agent_loop_shows_the_canonicalizer_effect(start_proxy: StartProxy) -> None:
-    """agent_loop.py: with the canonicalizer the timestamped system prompt is served from cache
-    turn after turn; with --no-canonicalize almost nothing is."""
-    on = await agent_calls(await start_proxy(), turns=3)
-    off = await agent_calls(await start_proxy(canonicalize=False), turns=3)
-    assert len(on) == len(off) == 3
+    """agent_loop.py with a model that calls a tool each turn: the example runs the call and
+    sends its result back, then gets the answer. With the canonicalizer the timestamped system
+    prompt is byte-identical and served from cache call after call, and every call reports the
+    rule that moved the timestamp; with --no-canonicalize almost nothing is cached, no rule fires.
+    """
+    on_proxy = await start_proxy(calls_a_tool())
+    off_proxy = await start_proxy(calls_a_tool(), canonicalize=False)
+    on = await agent_calls(on_proxy, turns=3)
+    off = await agent_calls(off_proxy, turns=3)
+    for calls, proxy in ((on, on_proxy), (off, off_proxy)):
+        # Each user turn: a call answered with a tool call, then one answered with text.
+        assert [c["turn"] for c in calls] == [1, 1, 2, 2, 3, 3]
+        assert [c["tool_calls"] for c in calls] == [1, 0] * 3
+        sent = proxy.fake.requests
+        assert len(sent) == 6
+        ids = []
+        for answered in sent[1::2]:
+            call, result = answered["messages"][-2:]
+            assert (call["role"], result["role"]) == ("assistant", "tool")
+            (made,) = call["tool_calls"]
+            assert made["function"]["name"] == "list_events"
+            assert json.loads(made["function"]["arguments"]) == EVENTS_ARGS
+            assert result["tool_call_id"] == made["id"]
+            assert json.loads(result["content"])["events"], result  # the example's list_events
+            ids.append(made["id"])
+        assert len(set(ids)) == 3
+    on_system = {r["messages"][0]["content"] for r in on_proxy.fake.requests}
+    off_system = {r["messages"][0]["content"] for r in off_proxy.fake.requests}
+    assert len(on_system) == 1 and "[[datetime_1]]" in on_system.pop()
+    assert len(off_system) == 6
+    assert all("volatile_timestamps" in str(c["canonical_rules"]).split(",") for c in on), on
+    assert all(c["canonical_rules"] == "" for c in off), off
     assert hit_rate_after_first(on) > 0.6
     assert hit_rate_after_first(off) < 0.1
+
+
+def stream_tool_calls(base_url: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """One streamed chat request offering a tool: the tool calls joined from the deltas (by
+    index, as a client does) and the finish reasons seen."""
+    tools: Any = [
+        {"type": "function", "function": {"name": "list_events", "parameters": {"type": "object"}}}
+    ]
+    joined: dict[int, dict[str, Any]] = {}
+    finishes: list[str] = []
+    with OpenAI(base_url=base_url, api_key="unused") as client:
+        stream = client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "What is on Ines's calendar?"}],
+            tools=tools,
+            stream=True,
+        )
+        for chunk in stream:
+            for choice in chunk.choices:
+                if choice.finish_reason:
+                    finishes.append(choice.finish_reason)
+                for d in choice.delta.tool_calls or []:
+                    call = joined.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                    call["id"] = d.id or call["id"]
+                    if d.function:
+                        call["name"] += d.function.name or ""
+                        call["arguments"] += d.function.arguments or ""
+    return [joined[i] for i in sorted(joined)], finishes
+
+
+async def test_streamed_tool_calls_reach_the_client(start_proxy: StartProxy) -> None:
+    """The fake streams tool calls as llama-server does (id, type and name first, then the
+    arguments in pieces, finish_reason "tool_calls"); through the proxy the SDK joins them into
+    the call the model made."""
+    proxy = await start_proxy(calls_a_tool())
+    calls, finishes = await asyncio.to_thread(stream_tool_calls, proxy.base_url)
+    assert finishes == ["tool_calls"]
+    (call,) = calls
+    assert call["name"] == "list_events" and call["id"]
+    assert json.loads(call["arguments"]) == EVENTS_ARGS
+    assert proxy.fake.requests[0]["stream"] is True
 
 
 async def test_agent_loop_prints_a_table(live_proxy: LiveProxy) -> None:
@@ -86,6 +166,8 @@ async def test_agent_loop_prints_a_table(live_proxy: LiveProxy) -> None:
     assert re.match(r"\s+1\s+\d+\s+0\s+0\.0%", lines[1]), lines[1]
     assert re.match(r"\s+2\s+\d+\s+\d+\s+\d+\.\d%", lines[2]), lines[2]
     assert lines[-1].startswith("after the first call:")
+    # The last column: the canonicalizer rules that fired (X-Prefixgate-Canonical).
+    assert all("volatile_timestamps" in line.split()[-1].split(",") for line in lines[1:3]), lines
     # The model saw every value: the relocated timestamp is in the newest user message.
     sent = live_proxy.fake.requests[-1]["messages"]
     assert "[[datetime_1]]" in sent[0]["content"]
