@@ -11,8 +11,6 @@ import ctypes
 import sys
 from collections.abc import Sequence
 
-from aiohttp import web
-
 from proxy.config import ConfigError, add_serve_arguments, resolve
 
 
@@ -62,6 +60,7 @@ def fix_mmap_threshold(size: int = 64 * 1024) -> None:
 def serve(args: argparse.Namespace) -> int:
     from proxy.app import build_app
     from proxy.log import configure_logging, get_logger
+    from proxy.server import run_app
 
     try:
         settings = resolve(args)
@@ -76,15 +75,9 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     get_logger().info("starting", host=settings.host, port=settings.port)
     fix_mmap_threshold()
-    web.run_app(
-        app,
-        host=settings.host,
-        port=settings.port,
-        handler_cancellation=True,  # a client that goes away cancels its upstream request
-        backlog=2048,  # aiohttp's 128 overflows in a burst of connections: 1-3 s SYN retries
-        access_log=None,
-        print=None,
-    )
+    # aiohttp with its own error answers in the OpenAI shape, handler cancellation, backlog 2048,
+    # no access log; SIGTERM shuts down gracefully (proxy/server.py).
+    run_app(app, host=settings.host, port=settings.port)
     return 0
 
 

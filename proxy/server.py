@@ -1,0 +1,189 @@
+"""The HTTP server under the app: aiohttp's, with its own refusals in the OpenAI error shape.
+
+aiohttp answers some requests before the application (and so its middlewares) ever sees them:
+a request whose framing its parser refuses (a header line over 8 KiB, too many header fields,
+``Content-Length`` with chunked, a bad chunk size, a control character in a header, a bad
+method or HTTP version, bytes that are not HTTP at all) gets a ``400``, an exception escaping
+a handler a ``500``, an ``asyncio.TimeoutError`` escaping one a ``504``. All three come from
+``RequestHandler.handle_error``, which writes them as ``text/plain``. Here they leave as the
+proxy's other errors do, ``{"error": {"message", "type", "param", "code"}}``, with aiohttp's
+status, and still close the connection.
+
+How the server gets there, chosen to depend on as little of aiohttp's inside as possible
+(aiohttp >= 3.13, < 4):
+
+- ``JsonErrorRequestHandler`` subclasses ``RequestHandler`` (one per connection) and overrides
+  ``handle_error`` only. It calls aiohttp's own ``handle_error`` first, for what it does besides
+  the body: logging the failure the way aiohttp does (a bad method on a connection's first
+  request at debug level, everything else as an error with its traceback) and raising
+  ``ConnectionError`` when part of a response was already sent (the connection is then broken,
+  not answered). The text response it builds is replaced by the JSON one.
+- Nothing in aiohttp lets a caller choose that class: ``web.Server.__call__``, the protocol
+  factory the event loop calls for each connection, constructs ``RequestHandler`` by name.
+  ``JsonErrorServer.__call__`` lets aiohttp build the handler as it always does (its arguments,
+  its fallback) and re-classes the result. ``RequestHandler`` has ``__slots__``, so attributes
+  cannot be patched on an instance, but a subclass that adds no slots has the same layout and
+  Python allows the ``__class__`` assignment. Constructing the subclass ourselves would instead
+  copy that constructor call and read the server's private ``_loop`` and ``_kwargs``.
+- ``web.run_app`` builds its own ``AppRunner``, so ``run_app`` here replaces it:
+  ``JsonErrorAppRunner.setup()`` (public) re-classes the ``web.Server`` that aiohttp made for the
+  app, before any site listens, rather than overriding ``AppRunner._make_server`` or calling the
+  private ``Application._make_handler``. The rest is ``web.run_app``'s defaults, spelled out.
+
+Should a future aiohttp change the handler's layout, the assignment raises ``TypeError`` on the
+first connection; ``tests/unit/test_server.py`` and ``tests/reliability/test_bad_input.py``
+fail at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from proxy.errors import error_response
+
+# web.run_app's defaults, which `prefixgate serve` has always run with.
+KEEPALIVE_TIMEOUT_S = 75.0  # an idle keep-alive connection, or an unfinished request head
+SHUTDOWN_TIMEOUT_S = 60.0  # on SIGTERM, how long requests in flight may take to finish
+BACKLOG = 2048  # aiohttp's 128 overflows in a burst of connections: 1-3 s SYN retries
+
+MESSAGE_LIMIT = 200  # characters of aiohttp's own description kept in the error message
+BAD_HTTP_CODE = "bad_http_request"
+
+
+def _describe(exc: BaseException | None, message: str | None) -> str:
+    """What was wrong with the request, in aiohttp's words, without quoting the request.
+
+    aiohttp's parser messages end with the offending line and a caret under the bad byte
+    (``Invalid header value char:\n\n  b'X-Api-Key: ...'\n  ^``); a line too long is quoted
+    by its first 100 bytes. Those lines can hold credentials and run to 8 KiB, so only the
+    description before them is kept, at most ``MESSAGE_LIMIT`` characters of it. The whole
+    message is in the server's log (aiohttp logs the exception).
+    """
+    if isinstance(exc, LineTooLong):
+        limit = exc.args[1] if len(exc.args) > 1 else "the limit"
+        return f"a request line or header field is longer than {limit} bytes"
+    if not message and isinstance(exc, HttpProcessingError):
+        message = exc.message
+    text = " ".join((message or "").split("\n\n", 1)[0].split()).rstrip(":")
+    if text.startswith("Pause on PRI"):  # llhttp's words for the HTTP/2 connection preface
+        return "HTTP/2 without an upgrade is not supported: send HTTP/1.1"
+    if len(text) > MESSAGE_LIMIT:
+        text = text[: MESSAGE_LIMIT - 1] + "…"
+    return text or "malformed HTTP request"
+
+
+def error_for(status: int, exc: BaseException | None, message: str | None) -> web.Response:
+    """The OpenAI-shaped response for what ``RequestHandler.handle_error`` is asked to answer."""
+    if status < 500:
+        text = f"could not parse the HTTP request: {_describe(exc, message)}"
+        resp = error_response(status, text, type_="invalid_request_error", code=BAD_HTTP_CODE)
+    elif status == 504:
+        text = "the proxy timed out handling the request"
+        resp = error_response(status, text, type_="server_error", code="timeout")
+    else:
+        resp = error_response(status, "internal proxy error", type_="server_error")
+    resp.force_close()
+    return resp
+
+
+class JsonErrorRequestHandler(RequestHandler):
+    """aiohttp's per-connection protocol, whose own error answers are OpenAI-shaped JSON."""
+
+    __slots__ = ()  # the same layout as RequestHandler: JsonErrorServer re-classes into this
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        # aiohttp's: logs, and raises ConnectionError if the response already started.
+        super().handle_error(request, status, exc, message)
+        return error_for(status, exc, message)
+
+
+class JsonErrorServer(web.Server):
+    """``web.Server`` whose connections are served by ``JsonErrorRequestHandler``."""
+
+    def __call__(self) -> RequestHandler:
+        handler = super().__call__()
+        handler.__class__ = JsonErrorRequestHandler
+        return handler
+
+
+class JsonErrorAppRunner(web.AppRunner):
+    """``web.AppRunner`` whose server is a ``JsonErrorServer``."""
+
+    __slots__ = ()
+
+    async def setup(self) -> None:
+        await super().setup()
+        assert self.server is not None
+        self.server.__class__ = JsonErrorServer
+
+
+def make_runner(app: web.Application, **kwargs: Any) -> JsonErrorAppRunner:
+    """The runner ``prefixgate serve`` uses: clients that leave cancel their handler (and so
+    their upstream request), no access log (every request has its record), run_app's timeouts.
+    """
+    options: dict[str, Any] = {
+        "handler_cancellation": True,
+        "access_log": None,
+        "keepalive_timeout": KEEPALIVE_TIMEOUT_S,
+        "shutdown_timeout": SHUTDOWN_TIMEOUT_S,
+    }
+    return JsonErrorAppRunner(app, **(options | kwargs))
+
+
+async def serve_app(app: web.Application, *, host: str, port: int, backlog: int = BACKLOG) -> None:
+    """Serve ``app`` until SIGTERM or SIGINT, then shut down gracefully.
+
+    The first signal stops listening, lets requests in flight finish (up to
+    ``SHUTDOWN_TIMEOUT_S``) and runs the app's shutdown and cleanup hooks; a second one cuts
+    that short, as it did under ``web.run_app``. A signal that arrives while the app is still
+    starting lets the startup finish, then cleans up without listening.
+    """
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    main = asyncio.current_task()
+
+    def on_signal() -> None:
+        if stop.is_set() and main is not None:
+            main.cancel()
+        stop.set()
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        with contextlib.suppress(NotImplementedError):  # no add_signal_handler on Windows
+            loop.add_signal_handler(sig, on_signal)
+    runner = make_runner(app)
+    try:
+        await runner.setup()
+        try:
+            if not stop.is_set():
+                await web.TCPSite(runner, host, port, backlog=backlog).start()
+                await stop.wait()
+        finally:
+            await runner.cleanup()
+    finally:
+        for sig in signals:
+            with contextlib.suppress(NotImplementedError):
+                loop.remove_signal_handler(sig)
+
+
+def run_app(app: web.Application, *, host: str, port: int, backlog: int = BACKLOG) -> None:
+    """``web.run_app`` for the proxy: ``serve_app`` on a new event loop, returning when it ends.
+
+    Returns normally after a signal, even when a second one cut the shutdown short.
+    """
+    with contextlib.suppress(asyncio.CancelledError, KeyboardInterrupt):
+        asyncio.run(serve_app(app, host=host, port=port, backlog=backlog))
