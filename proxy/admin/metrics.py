@@ -10,8 +10,17 @@ proxies in one process, as in the tests, keep their own numbers):
 
 Unlike ``/stats``, these numbers are per process: Prometheus adds the replicas up with ``sum``.
 Names, labels and units follow the project's metrics contract (the Grafana dashboard is built on
-them); latency histograms use the OpenTelemetry GenAI bucket boundaries, widened at both ends for
-CPU backends (tens of seconds of prefill) and fast GPUs (a few ms per token).
+them): every name starts with ``prefixgate_`` (none can collide with what an OpenTelemetry SDK in
+the same scrape exports) and the model label is ``model`` throughout. The histograms use the
+OpenTelemetry GenAI bucket boundaries, widened at both ends for CPU backends (tens of seconds of
+prefill) and fast GPUs (a few ms per token). A proxy sees a request as the model server does,
+from its arrival to its last byte, so the latencies correspond to the GenAI *server* metrics:
+
+    prefixgate_time_to_first_token_seconds    ~ gen_ai.server.time_to_first_token
+    prefixgate_time_per_output_token_seconds  ~ gen_ai.server.time_per_output_token
+    prefixgate_request_duration_seconds       ~ gen_ai.server.request.duration
+    prefixgate_gen_ai_token_usage             ~ gen_ai.client.token.usage (the conventions define
+                                                token usage for clients only; same buckets)
 
 Cardinality: ``model`` comes from the client's request body, so only the first ``max_models``
 distinct names get their own label value; later ones are counted under ``other``. ``backend`` is
@@ -38,7 +47,8 @@ DEFAULT_MAX_MODELS = 100
 _REASON_OK = re.compile(r"^[a-z_]{1,32}$")
 
 # OpenTelemetry GenAI semantic-convention boundaries (gen_ai.server.time_to_first_token,
-# time_per_output_token, request.duration, gen_ai.client.token.usage), widened as noted above.
+# gen_ai.server.time_per_output_token, gen_ai.server.request.duration, gen_ai.client.token.usage),
+# widened as noted above.
 TTFT_BUCKETS_S = (
     *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0),
     *(15.0, 30.0, 60.0, 120.0),
@@ -186,7 +196,8 @@ class ProxyMetrics:
         )
         self.ttft = histogram(
             "prefixgate_time_to_first_token_seconds",
-            "time to first token (reasoning included), from request arrival",
+            "time to first token (reasoning included), from request arrival "
+            "(OpenTelemetry gen_ai.server.time_to_first_token)",
             TTFT_BUCKETS_S,
         )
         self.ttfvt = histogram(
@@ -196,12 +207,13 @@ class ProxyMetrics:
         )
         self.tpot = histogram(
             "prefixgate_time_per_output_token_seconds",
-            "time per output token after the first",
+            "time per output token after the first "
+            "(OpenTelemetry gen_ai.server.time_per_output_token)",
             TPOT_BUCKETS_S,
         )
         self.duration = histogram(
             "prefixgate_request_duration_seconds",
-            "request arrival to response end",
+            "request arrival to response end (OpenTelemetry gen_ai.server.request.duration)",
             DURATION_BUCKETS_S,
         )
         self.overhead = histogram(
@@ -211,10 +223,11 @@ class ProxyMetrics:
             labels=(),
         )
         self.token_usage = histogram(
-            "gen_ai_client_token_usage",
-            "input and output tokens per request (OpenTelemetry gen_ai.client.token.usage)",
+            "prefixgate_gen_ai_token_usage",
+            "input and output tokens per request, by token_type (input, output); "
+            "buckets of OpenTelemetry gen_ai.client.token.usage",
             TOKEN_BUCKETS,
-            labels=("gen_ai_token_type", "gen_ai_request_model"),
+            labels=("token_type", "model"),
         )
         reg.register(_LiveCollector(state))
 

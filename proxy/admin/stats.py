@@ -3,8 +3,11 @@
 Everything comes from the store (``query_stats`` for the window's buckets, ``top_prefixes`` for the
 application-prefix ranking), so every proxy replica sharing one Redis serves the same numbers; only
 ``backends`` (this process's view of its replicas) and ``generated_at`` are local. The document is
-``StatsWindow.to_json()`` plus what a reader needs beside it: the window's name, goodput against the
-configured SLO, savings in the units people reason in, the top prefixes and the store's state.
+``StatsWindow.to_json()`` (totals, the chart series, the breakdowns) plus what a reader needs
+beside it: the window's name, goodput against the configured SLO, savings in the units people
+reason in, the top prefixes and the store's state. Its JSON Schema is
+``docs/schemas/stats-v1.schema.json``: a key added changes that file too, a key removed,
+renamed or retyped also changes the version in ``SCHEMA``.
 
 Query parameters: ``window`` (``5m``, ``1h`` (default), ``24h``, ``7d``), ``model``, ``backend``
 (exact match), ``tenant`` (the statistics namespace; ``default`` unless tenants are in use),
@@ -92,27 +95,6 @@ def _ratio(num: float, den: float, digits: int = 4) -> float | None:
     return round(num / den, digits) if den else None
 
 
-def _percentile_ms(tally: Tally, metric: str, q: float) -> float | None:
-    value = tally.percentile(metric, q)
-    return None if value is None else round(value, 3)
-
-
-def series_point(ts: int, tally: Tally) -> dict[str, Any]:
-    """One chart point: ``Tally.point()`` plus the percentiles and SLO counts the charts draw."""
-    return {
-        "ts": ts,
-        **tally.point(),
-        "ttft_p90_ms": _percentile_ms(tally, "ttft", 0.9),
-        "tpot_p90_ms": _percentile_ms(tally, "tpot", 0.9),
-        "tpot_p99_ms": _percentile_ms(tally, "tpot", 0.99),
-        "e2e_p50_ms": _percentile_ms(tally, "e2e", 0.5),
-        "predicted_cached_tokens": round(tally.get("predicted_tokens")),
-        "slo_met": round(tally.get("slo_met")),
-        "slo_evaluated": round(tally.get("slo_evaluated")),
-        "saved_usd": round(tally.get("saved_usd"), 6),
-    }
-
-
 def goodput(window: StatsWindow, slo: Slo, elapsed_s: float) -> dict[str, Any]:
     """Share and rate of requests that met the SLO, with the SLO they were judged against."""
     met = window.total.get("slo_met")
@@ -163,7 +145,6 @@ async def build_stats(state: ProxyState, query: StatsQuery, *, now: float) -> di
         since_s=since, limit=query.top, namespace=query.tenant
     )
     body = window.to_json()
-    body["series"] = [series_point(ts, tally) for ts, tally in window.series]
     # Rates are averaged over the nominal window, so every replica computes the same figure.
     elapsed = float(query.seconds)
     settings = state.settings

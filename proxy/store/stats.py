@@ -191,6 +191,19 @@ def _rounded(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(value, digits)
 
 
+def _quantile(counts: list[int], total: int, q: float) -> float:
+    """The ``q`` quantile of a latency histogram with ``total`` > 0 samples."""
+    target = q * total
+    seen = 0
+    for i, c in enumerate(counts):
+        if c and seen + c >= target:
+            lo = LATENCY_BOUNDS_MS[i - 1] if i > 0 else 0.0
+            hi = LATENCY_BOUNDS_MS[i] if i < len(LATENCY_BOUNDS_MS) else lo
+            return lo + (hi - lo) * max(target - seen, 0.0) / c
+        seen += c
+    return LATENCY_BOUNDS_MS[-1]  # unreachable: the loop always reaches ``total``
+
+
 class Tally:
     """Additive counters of one bucket, one window or one breakdown, and what derives from them."""
 
@@ -277,19 +290,13 @@ class Tally:
 
     def percentile(self, metric: str, q: float) -> float | None:
         """The ``q`` quantile of a latency, interpolated linearly inside its bucket."""
+        return self.percentiles(metric, (q,))[0]
+
+    def percentiles(self, metric: str, qs: Iterable[float]) -> list[float | None]:
+        """Several quantiles of one latency, its histogram read once (None without samples)."""
         counts = self.histogram(metric)
         total = sum(counts)
-        if total == 0:
-            return None
-        target = q * total
-        seen = 0
-        for i, c in enumerate(counts):
-            if c and seen + c >= target:
-                lo = LATENCY_BOUNDS_MS[i - 1] if i > 0 else 0.0
-                hi = LATENCY_BOUNDS_MS[i] if i < len(LATENCY_BOUNDS_MS) else lo
-                return lo + (hi - lo) * max(target - seen, 0.0) / c
-            seen += c
-        return LATENCY_BOUNDS_MS[-1]  # unreachable: the loop always reaches ``total``
+        return [_quantile(counts, total, q) if total else None for q in qs]
 
     def latency_summary(self, metric: str) -> dict[str, float | int | None]:
         """Count, mean and p50/p90/p99 of one latency metric."""
@@ -298,8 +305,8 @@ class Tally:
             "count": round(n),
             "mean": _rounded(_ratio(self.get(f"{metric}:sum"), n), 3),
         }
-        for q in PERCENTILES:
-            out[f"p{round(q * 100)}"] = _rounded(self.percentile(metric, q), 3)
+        for q, value in zip(PERCENTILES, self.percentiles(metric, PERCENTILES), strict=True):
+            out[f"p{round(q * 100)}"] = _rounded(value, 3)
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -331,19 +338,29 @@ class Tally:
         }
 
     def point(self) -> dict[str, Any]:
-        """The compact subset drawn on charts, one per time-series point."""
+        """One chart point of ``/stats``'s series: counts, rates and the percentiles charted."""
+        ttft50, ttft90, ttft99 = self.percentiles("ttft", (0.5, 0.9, 0.99))
+        tpot50, tpot90, tpot99 = self.percentiles("tpot", (0.5, 0.9, 0.99))
         return {
             "requests": self.requests,
             "errors": round(self.get("errors")),
             "prompt_tokens": round(self.get("prompt_tokens")),
             "cached_tokens": round(self.get("cached_tokens")),
+            "predicted_cached_tokens": round(self.get("predicted_tokens")),
             "hit_rate_token_weighted": _rounded(self.hit_rate_token_weighted),
             "predicted_hit_rate": _rounded(self.predicted_hit_rate),
             "goodput_share": _rounded(self.goodput_share),
-            "ttft_p50_ms": _rounded(self.percentile("ttft", 0.5), 3),
-            "ttft_p99_ms": _rounded(self.percentile("ttft", 0.99), 3),
-            "tpot_p50_ms": _rounded(self.percentile("tpot", 0.5), 3),
+            "slo_met": round(self.get("slo_met")),
+            "slo_evaluated": round(self.get("slo_evaluated")),
+            "ttft_p50_ms": _rounded(ttft50, 3),
+            "ttft_p90_ms": _rounded(ttft90, 3),
+            "ttft_p99_ms": _rounded(ttft99, 3),
+            "tpot_p50_ms": _rounded(tpot50, 3),
+            "tpot_p90_ms": _rounded(tpot90, 3),
+            "tpot_p99_ms": _rounded(tpot99, 3),
+            "e2e_p50_ms": _rounded(self.percentile("e2e", 0.5), 3),
             "saved_prefill_ms": round(self.get("saved_prefill_ms"), 3),
+            "saved_usd": round(self.get("saved_usd"), 6),
         }
 
 

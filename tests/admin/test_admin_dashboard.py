@@ -14,7 +14,9 @@ from admin_traffic import mixed_requests, send_all
 from chromium import CHROMIUM, CHROMIUM_ARGS
 from fakes import LlamaFake, MakeProxy
 
+from proxy.config import Timeouts
 from proxy.records import Pricing, Slo
+from tests.store.redis_process import free_port
 
 pytestmark = pytest.mark.browser
 
@@ -106,9 +108,12 @@ async def test_charts_draw_the_traffic(
     browser: Any, llama_fake: LlamaFake, make_proxy: MakeProxy, tmp_path: Path
 ) -> None:
     """With traffic: every chart has data, the figures match /stats, the controls work."""
+    # Every answer's headers wait 50 ms, so TTFT is never below the SLO's reach on the chart (an
+    # SLO line is drawn when it is within 2.5x the highest point).
+    llama_fake.knobs.header_delay_s = 0.05
     client, records, app = await make_proxy(
         llama_fake.url,
-        slo=Slo(ttft_ms=5000, tpot_ms=1000),
+        slo=Slo(ttft_ms=100, tpot_ms=1000),
         pricing=Pricing(input_per_mtok=3.0, cached_input_per_mtok=0.3),
     )
     await send_all(client, records, app, mixed_requests())
@@ -124,11 +129,20 @@ async def test_charts_draw_the_traffic(
         assert await marks.count() > 0, chart
     assert await page.locator("#chart-hitrate svg text").count() > 5  # labelled axes
     assert "measured" in await page.inner_text("#chart-hitrate .legend")
+    assert await page.locator("#chart-ttft svg line.slo").count() == 1  # the dashed SLO line
+    assert "SLO 100" in (await page.text_content("#chart-ttft svg .slo-label") or "")
 
     hit = stats["totals"]["hit_rate_token_weighted"]
     kpis = await page.inner_text("#kpis")
     assert f"{hit * 100:.1f}" in kpis
     assert str(stats["totals"]["requests"]) in kpis
+    saved = page.locator(".kpi", has_text="Saved by the cache")
+    assert stats["savings"]["cached_tokens"] > 0 and stats["savings"]["prefill_s"] > 0
+    assert (await saved.locator(".value").inner_text()).strip() not in ("", "—", "0")
+    saved_text = await saved.inner_text()
+    assert re.search(r"prefill\s+\d", saved_text), saved_text  # a duration, not "—"
+    assert "$" in saved_text and "at your prices" in saved_text
+    assert await page.is_hidden("#store-banner")
     rows = page.locator("#table-backends tbody tr")
     assert await rows.count() == 1
     assert llama_fake.url in await rows.first.inner_text()
@@ -154,4 +168,29 @@ async def test_charts_draw_the_traffic(
 
     await page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    assert console.errors == []
+
+
+async def test_degraded_store_is_shown(
+    browser: Any, llama_fake: LlamaFake, make_proxy: MakeProxy
+) -> None:
+    """Redis unreachable: traffic still flows, and the page says the store is degraded instead
+    of claiming there was no traffic."""
+    client, records, app = await make_proxy(
+        llama_fake.url,
+        redis_url=f"redis://127.0.0.1:{free_port()}/0",
+        timeouts=Timeouts(connect=2, idle=5, store=0.05),
+    )
+    recs = await send_all(client, records, app, mixed_requests(per_app=1))
+    assert all(r.status == 200 for r in recs)
+
+    page, console = await open_page(browser, str(client.make_url("/dashboard")))
+    await page.wait_for_selector("body[data-store=degraded]")
+    assert await page.is_visible("#store-banner")
+    assert "degraded" in await page.inner_text("#store-banner")
+    assert "warn" in (await page.get_attribute("#status-dot", "class") or "")
+    assert "store degraded" in await page.inner_text("#status-text")
+    assert await page.get_attribute("body", "data-state") == "empty"
+    assert "unavailable" in await page.inner_text("#empty-title")
+    assert await page.is_hidden("#error-banner")  # /stats answered 200, not an error
     assert console.errors == []

@@ -33,7 +33,8 @@ CONTRACT = {
     "prefixgate_time_per_output_token_seconds_bucket",
     "prefixgate_request_duration_seconds_bucket",
     "prefixgate_proxy_overhead_seconds_bucket",
-    "gen_ai_client_token_usage_bucket",
+    "prefixgate_gen_ai_token_usage_bucket",
+    "prefixgate_route_decisions_total",
     "prefixgate_store_degraded",
     "prefixgate_backend_in_flight",
     "prefixgate_backend_healthy",
@@ -100,9 +101,10 @@ async def test_metrics_match_the_traffic(llama_fake: LlamaFake, make_proxy: Make
     inf = total(m, "prefixgate_request_duration_seconds_bucket", **mb, le="+Inf")
     assert inf == 10
     assert total(m, "prefixgate_proxy_overhead_seconds_count") == 10
-    usage = {"gen_ai_request_model": "fake-model"}
-    assert total(m, "gen_ai_client_token_usage_sum", gen_ai_token_type="input", **usage) == prompt
-    assert total(m, "gen_ai_client_token_usage_count", gen_ai_token_type="output", **usage) == 9
+    usage = "prefixgate_gen_ai_token_usage"
+    assert total(m, f"{usage}_sum", token_type="input", model="fake-model") == prompt
+    assert total(m, f"{usage}_count", token_type="output", model="fake-model") == 9
+    assert not [n for n in m if not n.startswith("prefixgate_")]  # no clash with an OTel SDK
 
     assert total(m, "prefixgate_backend_healthy", backend=url) == 1
     assert total(m, "prefixgate_backend_in_flight", backend=url) == 0

@@ -610,6 +610,15 @@
   // ---- page -------------------------------------------------------------------------------
   function renderEmpty(data) {
     const filtered = state.model || state.backend;
+    if ((data.store || {}).degraded) {
+      // Requests are served but not counted while the store fails: "no traffic" would be untrue.
+      $("empty-title").textContent = "Statistics unavailable";
+      $("empty-text").textContent = "The statistics store is failing, so requests served meanwhile are not counted here. Traffic still flows; this page recovers by itself.";
+      $("empty-snippet").textContent = "";
+      $("empty-snippet").classList.add("hidden");
+      $("empty-refresh").textContent = "The page refreshes every " + REFRESH_MS[state.window] / 1000 + " seconds.";
+      return;
+    }
     $("empty-title").textContent = filtered ? "No requests match these filters" : "No traffic yet";
     $("empty-text").textContent = filtered
       ? "Nothing for this model or backend in the " + WINDOWS[state.window] + ". Clear a filter or pick a longer window."
@@ -637,6 +646,12 @@
       renderRules(data);
     }
     const store = data.store || {};
+    const storeBanner = $("store-banner");
+    storeBanner.textContent = store.degraded
+      ? "The " + (store.kind || "statistics") + " store is degraded: requests are still served, but those served while it fails are missing from these figures. Check prefixgate_store_degraded on /metrics and the proxy's store_degraded log line."
+      : "";
+    storeBanner.classList.toggle("hidden", !store.degraded);
+    document.body.dataset.store = store.degraded ? "degraded" : "ok";
     $("status-dot").className = "dot " + (store.degraded ? "warn" : "live");
     $("status-text").textContent = (store.degraded ? "store degraded · " : "live · ") +
       "updated " + new Date(data.generated_at * 1000).toLocaleTimeString([], { hour12: false }) +
