@@ -18,7 +18,7 @@ from aiohttp.typedefs import Middleware
 
 from proxy import handlers
 from proxy.admin import install as install_admin
-from proxy.auth import KeysFileError, auth_middleware, load_keys
+from proxy.auth import KeysFileError, auth_middleware, load_keys, refuse_ambiguous_paths
 from proxy.canonical import Canonicalizer, config_from_mapping
 from proxy.config import ConfigError, Settings
 from proxy.errors import ProxyError, error_response
@@ -34,8 +34,11 @@ from proxy.store import StoreOptions, StoreTimeouts, open_store
 log = get_logger()
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-# Served without a client API key: health probes, and the admin routes (their own token).
-OPEN_PATHS = ("/healthz", "/readyz", "/stats", "/dashboard", "/metrics")
+# Routes served without a client API key, by template (the route the router matched, never a
+# path prefix): health probes, and the admin routes (their own token, --admin-token).
+HEALTH_ROUTES = ("/healthz", "/readyz")
+ADMIN_ROUTES = ("/stats", "/metrics", "/dashboard", "/dashboard/", "/dashboard/{asset}")
+OPEN_ROUTES = HEALTH_ROUTES + ADMIN_ROUTES
 
 
 @web.middleware
@@ -84,14 +87,27 @@ def build_canonicalizer(settings: Settings) -> Canonicalizer:
 def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.Application:
     """The proxy as an aiohttp application (not yet started)."""
     canonicalizer = build_canonicalizer(settings)
-    middlewares: list[Middleware] = [request_context]
+    # request_context first (request id, errors in the OpenAI shape), then the path check,
+    # before authentication and any handler.
+    middlewares: list[Middleware] = [request_context, refuse_ambiguous_paths]
     try:
         keys = load_keys(settings.api_keys, settings.api_keys_file)
     except KeysFileError as exc:
         raise ConfigError(str(exc)) from exc
     if keys.enabled or settings.tenant_header:
         middlewares.append(
-            auth_middleware(keys, tenant_header=settings.tenant_header, open_paths=OPEN_PATHS)
+            auth_middleware(keys, tenant_header=settings.tenant_header, open_routes=OPEN_ROUTES)
+        )
+    if keys.enabled and not settings.admin_token:
+        log.warning(
+            "admin_routes_unauthenticated",
+            routes=["/stats", "/metrics", "/dashboard"],
+            message=(
+                "client API keys are required on the inference routes, but /stats, /metrics and "
+                "/dashboard are open to anyone who can reach the proxy (every tenant's "
+                "statistics included); set --admin-token (or PREFIXGATE_ADMIN_TOKEN, or "
+                "admin_token in the TOML file) to require a token on them"
+            ),
         )
     try:
         redactor = Redactor.build(settings.redact_patterns, defaults=settings.redact_defaults)

@@ -15,6 +15,28 @@ key's tenant but never reach another key's. With no keys the header alone names 
 ``default`` tenant. Each tenant has its own prefix index and statistics (the store namespace),
 and on vLLM its own partition of the backend's prefix cache (``cache_salt``, see
 ``proxy.backends.vllm.tenant_cache_salt``).
+
+Paths. Which routes are exempt is decided by the route the router actually matched (its
+template: ``/healthz``, ``/dashboard/{asset}``…), never by a path prefix, so no spelling of a
+path can be exempt and reach another route. And before any of that, ``refuse_ambiguous_paths``
+answers 400 (``invalid_path``) to a path that the router and the upstream URL could read
+differently. The router matches the percent-decoded path; the pass-through route forwards to
+``backend URL + decoded path``, which the HTTP client normalizes (``/a/../b`` is ``/b``), and
+backends or front-ends may normalize further (``//`` merged, ``;params`` dropped, a backslash
+read as ``/``). So ``/healthz/../v1/chat/completions`` would be routed as an unknown path, forwarded
+with the proxy's backend key, and served as chat completions; ``/v1/chat/./completions`` would
+skip validation, the tenant's ``cache_salt`` and the record. A path is refused when:
+
+- it holds a ``.`` or ``..`` segment, raw or percent-encoded (``%2e``);
+- it holds an encoded slash or backslash (``%2f``, ``%5c``), which the router keeps inside one
+  segment and the upstream URL does not;
+- it holds an empty segment (``//``) anywhere but at the very end (``/dashboard/``);
+- once decoded it holds anything but ``A-Z a-z 0-9 - . _ ~ ! $ & ' ( ) * + , = : @ /``: no
+  ``%`` (double encoding), ``;`` (path parameters), ``?`` or ``#`` (they would start the query
+  or fragment of the upstream URL), backslashes, whitespace, control or non-ASCII characters.
+
+Every path left is one that the router, the HTTP client and the backend all read the same way
+(``tests/unit/test_path_guard.py`` checks that the client never rewrites one).
 """
 
 from __future__ import annotations
@@ -35,6 +57,9 @@ from proxy.state import TENANT
 from proxy.store import DEFAULT_NAMESPACE
 
 _TENANT_OK = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")
+# A decoded path: RFC 3986 unreserved and sub-delims but ";", then ":" "@" and "/".
+_PATH_OK = re.compile(r"/[A-Za-z0-9\-._~!$&'()*+,=:@/]*")
+_ENCODED_SEPARATOR = re.compile(r"%(?:2f|5c)", re.IGNORECASE)
 _BEARER = re.compile(r"^\s*Bearer\s+(\S+)\s*$", re.IGNORECASE)
 
 
@@ -136,25 +161,58 @@ def tenant_of(
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def path_problem(raw_path: str, path: str) -> str | None:
+    """Why a request path is ambiguous, or None when it is not.
+
+    ``raw_path`` is the path as sent (percent-encoded, without the query), ``path`` the same
+    path decoded (what the router matches and the pass-through route forwards).
+    """
+    if _ENCODED_SEPARATOR.search(raw_path):
+        return "an encoded slash or backslash (%2F, %5C)"
+    if not _PATH_OK.fullmatch(path):
+        return "a character outside A-Z a-z 0-9 - . _ ~ ! $ & ' ( ) * + , = : @ /"
+    segments = path.split("/")
+    last = len(segments) - 1
+    for i, segment in enumerate(segments[1:], start=1):
+        if segment in (".", ".."):
+            return "a '.' or '..' segment"
+        if not segment and i != last:
+            return "an empty segment ('//')"
+    return None
+
+
+@web.middleware
+async def refuse_ambiguous_paths(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """400 ``invalid_path`` for a path that the router and the upstream URL could read
+    differently (see the module docstring). It runs before authentication and any handler:
+    aiohttp has resolved the route already, but nothing has acted on it yet."""
+    problem = path_problem(request.rel_url.raw_path, request.path)
+    if problem is not None:
+        raise BadRequest(f"invalid request path: it holds {problem}", code="invalid_path")
+    return await handler(request)
+
+
 def auth_middleware(
     keys: ApiKeys,
     *,
     tenant_header: str | None,
-    open_paths: Iterable[str],
+    open_routes: Iterable[str],
 ) -> Middleware:
     """The middleware that checks client keys and stamps each request's tenant.
 
-    ``open_paths`` (health and admin routes, and anything under them; admin routes have their
-    own token) are let through without a client key. When keys are enabled the client's
-    Authorization header is removed before the request goes on, so the backend never sees a
-    client's proxy key.
+    ``open_routes`` are route templates (``/healthz``, ``/dashboard/{asset}``: health and admin
+    routes; admin routes have their own token): a request the router matched to one of them is
+    let through without a client key. Anything else, the pass-through catch-all included, needs
+    one; so does a method an open route does not serve (``POST /healthz`` falls through to the
+    catch-all). When keys are enabled the client's Authorization header is removed before the
+    request goes on, so the backend never sees a client's proxy key.
     """
-    exempt = tuple(open_paths)
+    exempt = frozenset(open_routes)
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-        path = request.path
-        if any(path == p or path.startswith(p + "/") for p in exempt):
+        resource = request.match_info.route.resource
+        if resource is not None and resource.canonical in exempt:
             return await handler(request)
         header_value = request.headers.get(tenant_header) if tenant_header else None
         try:

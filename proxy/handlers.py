@@ -24,7 +24,7 @@ from proxy.canonical import CanonicalResult
 from proxy.errors import BackendUnavailable, ProxyError
 from proxy.fleet import Replica
 from proxy.log import get_logger
-from proxy.prefixes import PrefixView
+from proxy.prefixes import PrefixView, prefix_label
 from proxy.records import Observation, monotonic, utc_now_iso
 from proxy.relay import (
     CLIENT_CLOSED,
@@ -174,12 +174,16 @@ async def inference(request: web.Request) -> web.StreamResponse:
         state.scheduler.annotate(record, ex)
         state.writer.emit(record)
         if target is not None:
+            label = None
+            if state.settings.log_prompts and body is not None:
+                label = prefix_label(body, state.redactor.text)
             state.writer.spawn(
                 state.tracker.learn(
                     record,
                     view,
                     replica=target.replica.url,
                     capacity_tokens=target.replica.capacity_tokens(state.settings.capacity_tokens),
+                    label=label,
                 )
             )
 

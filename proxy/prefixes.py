@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,39 @@ class PrefixView:
         """The key the router breaks ties by (``route_key``: the first block hash past the
         traffic-shared depth, 0 without blocks)."""
         return route_key(self.fp.block_hashes, self.shared_blocks)
+
+
+LABEL_CHARS = 80
+
+
+def prefix_label(body: Mapping[str, Any], redact: Callable[[str], str]) -> str | None:
+    """A short human-readable name for a request's application prefix: the start of its first
+    message's text (a chat's system prompt, typically) or of its prompt, whitespace collapsed.
+
+    Prompt text: only for operators who opted in to logging prompts. ``redact`` runs on a
+    window four times the label's length before the label is cut, and the cut falls on
+    whitespace, so a secret is either redacted whole or not in the label at all."""
+    text: Any = None
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[0], Mapping):
+        text = messages[0].get("content")
+        if isinstance(text, list):  # content parts: the first text part
+            text = next(
+                (p.get("text") for p in text if isinstance(p, Mapping) and p.get("type") == "text"),
+                None,
+            )
+    else:
+        text = body.get("prompt")
+        if isinstance(text, list) and text:
+            text = text[0]
+    if not isinstance(text, str):
+        return None
+    window = text[: LABEL_CHARS * 4]
+    label = " ".join(redact(window).split())
+    if len(label) > LABEL_CHARS or len(window) < len(text):
+        cut = label[: LABEL_CHARS + 1].rfind(" ")
+        label = label[:cut] if cut > 0 else ""
+    return label or None
 
 
 class TokensPerByte:

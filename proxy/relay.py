@@ -123,8 +123,9 @@ async def open_upstream(
     headers = upstream_request_headers(
         request.headers, request_id=request_id, backend_api_key=backend_api_key
     )
-    if request.query_string:
-        url = f"{url}?{request.query_string}"
+    query = request.rel_url.raw_query_string
+    if query:  # as the client encoded it: decoding would turn %26 into a separator upstream
+        url = f"{url}?{query}"
 
     async def send() -> aiohttp.ClientResponse:
         # A deadline on the whole response head: a backend dribbling its status line and

@@ -386,3 +386,28 @@ async def test_schema_catches_drift(llama_fake: LlamaFake, make_proxy: MakeProxy
     assert broken(lambda d: d["totals"].update(requests=None))
     assert broken(lambda d: d["store"].update(kind="memcached"))
     assert broken(lambda d: d.update(schema="prefixgate.stats/v2"))
+
+
+async def test_prefix_labels_only_when_prompts_are_logged_and_redacted(
+    llama_fake: LlamaFake, make_proxy: MakeProxy
+) -> None:
+    """With ``--log-prompts`` a top prefix is named by the start of its system prompt, secrets
+    redacted first; the label is never longer than 80 characters."""
+    client, records, app = await make_proxy(llama_fake.url, log_prompts=True)
+    system = "Support bot for ops@example.com   with key sk-" + "a" * 40 + ". " + "Policy. " * 200
+    body = {
+        "model": "fake-model",
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "hello"},
+        ],
+    }
+    async with client.post("/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+    await records.wait(1)
+    await app[STATE].writer.drain()
+    (top,) = (await get_stats(client))["top_prefixes"]
+    label = top["label"]
+    assert label.startswith("Support bot for [REDACTED:email] with key [REDACTED:")
+    assert "ops@example.com" not in label and "sk-aaaa" not in label
+    assert len(label) <= 80 and not label.endswith(" ")

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
-from fakes import LlamaFake, MakeProxy, VllmFake
+from aiohttp import web
+from fakes import LlamaFake, MakeProxy, ProxyClient, VllmFake, serve
+from structlog.testing import LogCapture
 
 from proxy.auth import ApiKeys, KeysFileError, default_tenant_name, load_keys, parse_keys_file
 from proxy.backends.vllm import tenant_cache_salt
@@ -28,6 +32,55 @@ def chat(question: str, **extra: Any) -> dict[str, Any]:
 
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+class SeeingFake(LlamaFake):
+    """A llama-server fake that notes every request it receives, whatever the path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str, str | None]] = []
+
+    def app(self) -> web.Application:
+        app = super().app()
+
+        @web.middleware
+        async def note(request: web.Request, handler: Any) -> web.StreamResponse:
+            self.seen.append((request.method, request.path, request.headers.get("Authorization")))
+            return await handler(request)  # type: ignore[no-any-return]
+
+        app.middlewares.append(note)
+        return app
+
+
+@pytest.fixture
+async def seeing_fake(aiohttp_server: Any) -> SeeingFake:
+    return await serve(SeeingFake(), aiohttp_server)
+
+
+async def send_raw(
+    client: ProxyClient, method: str, target: str, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    """Send a request line as written (an HTTP client would normalize the path first)."""
+    body = orjson.dumps(chat("hi")) if method == "POST" else b""
+    head = {"Host": "proxy", "Content-Type": "application/json", "Connection": "close"}
+    head |= {"Content-Length": str(len(body)), **(headers or {})}
+    lines = "".join(f"{k}: {v}\r\n" for k, v in head.items())
+    assert client.server.host and client.server.port
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    try:
+        writer.write(f"{method} {target} HTTP/1.1\r\n{lines}\r\n".encode() + body)
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    status_line, _, rest = data.partition(b"\r\n")
+    payload = rest.partition(b"\r\n\r\n")[2]
+    try:
+        parsed = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        parsed = payload
+    return int(status_line.split()[1]), parsed
 
 
 # -- keys ------------------------------------------------------------------------------------
@@ -86,6 +139,156 @@ async def test_backend_key_replaces_client_key(
     async with client.post("/v1/chat/completions", json=chat("hi"), headers=bearer("sk-client")):
         pass
     assert llama_fake.last_headers["Authorization"] == "Bearer sk-backend"
+
+
+# -- paths the router and the upstream URL could read differently ----------------------------
+
+# Each would reach the backend (with the proxy's own backend key, or past validation, the
+# tenant's cache_salt and the record) if the proxy routed and forwarded it as written.
+AMBIGUOUS = [
+    ("POST", "/healthz/../v1/chat/completions"),
+    ("POST", "/healthz/%2e%2e/v1/chat/completions"),
+    ("GET", "/healthz/%2E%2E/v1/models"),
+    ("GET", "/healthz/.%2e/v1/models"),
+    ("GET", "/readyz/../v1/models"),
+    ("GET", "/stats/../v1/models"),
+    ("GET", "/metrics/../v1/models"),
+    ("GET", "/dashboard/../v1/models"),
+    ("GET", "/dashboard/%2e%2e/%2e%2e/v1/models"),
+    ("GET", "/v1/models/.."),
+    ("POST", "/v1/chat/./completions"),
+    ("POST", "/v1/chat/%2e/completions"),
+    ("POST", "/v1/x/../chat/completions"),
+    ("POST", "/v1%2fchat%2fcompletions"),
+    ("POST", "/v1%2Fchat/completions"),
+    ("POST", "/v1%5cchat/completions"),
+    ("POST", "/v1\\chat/completions"),
+    ("POST", "//v1/chat/completions"),
+    ("POST", "/v1//chat/completions"),
+    ("POST", "/v1/chat/completions;x=1"),
+    ("GET", "/healthz/..;/v1/models"),
+    ("GET", "/v1/%252e%252e/models"),
+    ("GET", "/v1/models%3Flimit=1"),
+    ("GET", "/v1/models%23x"),
+    ("GET", "/v1/mod%20els"),
+    ("GET", "/v1/%00models"),
+    ("GET", "/v1/mod%C3%A9ls"),
+]
+
+
+@pytest.mark.parametrize("admin_token", [None, "adm-token"])
+async def test_ambiguous_paths_are_refused(
+    seeing_fake: SeeingFake, make_proxy: MakeProxy, admin_token: str | None
+) -> None:
+    client, records, _ = await make_proxy(
+        seeing_fake.url,
+        api_keys=("sk-good",),
+        backend_api_key="sk-backend",
+        admin_token=admin_token,
+    )
+    seeing_fake.seen.clear()  # health checks at start-up
+    for method, target in AMBIGUOUS:
+        for headers in ({}, bearer("sk-good")):
+            status, body = await send_raw(client, method, target, headers)
+            assert status == 400, (method, target, headers, body)
+            assert body["error"]["code"] == "invalid_path"
+            assert body["error"]["type"] == "invalid_request_error"
+    assert [s for s in seeing_fake.seen if s[1] != "/health"] == []
+    assert len(records) == 0
+
+
+async def test_ambiguous_paths_are_refused_without_keys(
+    seeing_fake: SeeingFake, make_proxy: MakeProxy
+) -> None:
+    """No keys: the path check still keeps validation, records and the catch-all apart."""
+    client, records, _ = await make_proxy(seeing_fake.url)
+    seeing_fake.seen.clear()
+    for method, target in AMBIGUOUS:
+        status, body = await send_raw(client, method, target)
+        assert status == 400 and body["error"]["code"] == "invalid_path", target
+    assert [s for s in seeing_fake.seen if s[1] != "/health"] == []
+    status, _ = await send_raw(client, "POST", "/v1/chat/completions")
+    assert status == 200
+    assert (await records.wait(1)).route == "/v1/chat/completions"
+
+
+@pytest.mark.parametrize("admin_token", [None, "adm-token"])
+async def test_only_the_routes_served_are_open(
+    seeing_fake: SeeingFake, make_proxy: MakeProxy, admin_token: str | None
+) -> None:
+    """Exempt is the route the router matched, never a path prefix or another method."""
+    client, _, _ = await make_proxy(seeing_fake.url, api_keys=("sk-good",), admin_token=admin_token)
+    seeing_fake.seen.clear()
+    for method, target in [
+        ("POST", "/healthz"),
+        ("PUT", "/readyz"),
+        ("POST", "/stats"),
+        ("DELETE", "/dashboard"),
+        ("GET", "/healthz/x"),
+        ("GET", "/healthzz"),
+        ("GET", "/stats/v1/models"),
+        ("GET", "/metrics/x"),
+        ("GET", "/dashboard/x/y"),
+        ("GET", "/dashboardx"),
+    ]:
+        status, body = await send_raw(client, method, target)
+        assert status == 401, (method, target, body)
+        assert body["error"]["code"] == "invalid_api_key"
+    assert [s for s in seeing_fake.seen if s[1] != "/health"] == []
+
+
+async def test_normal_paths_still_work(seeing_fake: SeeingFake, make_proxy: MakeProxy) -> None:
+    client, records, _ = await make_proxy(
+        seeing_fake.url, api_keys=("sk-good",), backend_api_key="sk-backend"
+    )
+    seeing_fake.seen.clear()
+    key = bearer("sk-good")
+    async with client.post("/v1/chat/completions", json=chat("hi"), headers=key) as resp:
+        assert resp.status == 200
+    assert (await records.wait(1)).tenant == default_tenant_name("sk-good")
+    async with client.get("/v1/models", params={"q": "../../x"}, headers=key) as resp:
+        assert resp.status == 200  # dots in the query are not the path's business
+    for target in ("/v1/models/", "/v1/model-1.5:free@x/~a_b!$&'()*+,=", "/v1/..a/b...c"):
+        status, _ = await send_raw(client, "GET", target, key)
+        assert status == 404  # passed through: the fake has no such route
+    assert ("GET", "/v1/models/", "Bearer sk-backend") in seeing_fake.seen
+    assert ("GET", "/v1/..a/b...c", "Bearer sk-backend") in seeing_fake.seen
+    for path in ("/healthz", "/readyz", "/stats", "/metrics", "/dashboard", "/dashboard/app.js"):
+        async with client.get(path, allow_redirects=False) as resp:  # no client key needed
+            assert resp.status in (200, 404), path
+    async with client.get("/dashboard/", allow_redirects=False) as resp:
+        assert resp.status == 302
+
+
+def _warnings(cap: LogCapture) -> list[dict[str, Any]]:
+    return [e for e in cap.entries if e["event"] == "admin_routes_unauthenticated"]
+
+
+def test_open_admin_routes_are_warned_about(tmp_path: Path, log_capture: LogCapture) -> None:
+    import dataclasses
+
+    from proxy.app import build_app
+    from proxy.config import resolve
+
+    settings = resolve({"backend": ["http://127.0.0.1:9"]}, environ={})
+    build_app(settings)  # no keys: every route is as open as the others
+    build_app(dataclasses.replace(settings, api_keys=("k",), admin_token="t"))
+    assert _warnings(log_capture) == []
+    build_app(dataclasses.replace(settings, api_keys=("k",)))
+    (entry,) = _warnings(log_capture)
+    assert entry["log_level"] == "warning"
+    assert "--admin-token" in entry["message"] and "/stats" in entry["message"]
+
+
+def test_open_routes_are_the_routes_served() -> None:
+    """Every route but inference and the catch-all is open; nothing else is."""
+    from proxy.app import OPEN_ROUTES, build_app
+    from proxy.config import resolve
+    from proxy.handlers import INFERENCE_PATHS
+
+    app = build_app(resolve({"backend": ["http://127.0.0.1:9"]}, environ={}))
+    served = {r.canonical for r in app.router.resources()}
+    assert served - set(INFERENCE_PATHS) - {"/{tail}"} == set(OPEN_ROUTES)
 
 
 # -- tenants ---------------------------------------------------------------------------------

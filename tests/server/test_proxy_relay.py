@@ -166,3 +166,19 @@ async def test_stream_events_arrive_as_sent(llama_fake: LlamaFake, make_proxy: M
         await resp.read()
     assert b'"role":"assistant"' in first
     assert b'"content":"Hello"' in second
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/models"])
+async def test_query_string_reaches_the_backend_as_encoded(
+    llama_fake: LlamaFake, make_proxy: MakeProxy, path: str
+) -> None:
+    """An encoded ``&``, ``=`` or ``#`` in a query value stays one value upstream."""
+    client, _, _ = await make_proxy(llama_fake.url)
+    query = "tag=a%26b%3Dc%23d&x=%20y"
+    if path == "/v1/models":
+        async with client.get(f"{path}?{query}") as resp:
+            assert resp.status == 200
+    else:
+        async with client.post(f"{path}?{query}", json=CHAT) as resp:
+            assert resp.status == 200
+    assert llama_fake.last_query == {"tag": "a&b=c#d", "x": " y"}

@@ -272,11 +272,21 @@ def test_only_claimed_spans_change(body: dict[str, Any], cfg: CanonicalConfig) -
     messages, new = body["messages"], out["messages"]
     assert len(new) == len(messages)
     users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
+    # The message the note may go to: the newest user message, or with last_suffix the newest
+    # message when it is a user or tool message.
+    noted = users[-1] if users else None
+    if cfg.note_placement == "last_suffix":
+        last = messages[-1] if messages else None
+        noted = (
+            len(messages) - 1
+            if isinstance(last, dict) and last.get("role") in ("user", "tool")
+            else None
+        )
     for i, (old, cur) in enumerate(zip(messages, new, strict=True)):
         role = old.get("role") if isinstance(old, dict) else None
         if role in ("system", "developer"):
             continue
-        if users and i == users[-1]:
+        if i == noted:
             assert {k: v for k, v in cur.items() if k != "content"} == {
                 k: v for k, v in old.items() if k != "content"
             }

@@ -7,7 +7,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from proxy.prefixes import PrefixTracker, PrefixView, RecentClaims, checkpoints, common_prefix
+from proxy.prefixes import (
+    PrefixTracker,
+    PrefixView,
+    RecentClaims,
+    checkpoints,
+    common_prefix,
+    prefix_label,
+)
 from proxy.records import RequestRecord
 from proxy.routing import Candidate, Router, RoutingConfig, route_key
 from proxy.store import EmbeddedStore, LookupResult
@@ -195,3 +202,23 @@ def test_recent_claims_stay_bounded() -> None:
     assert len(claims) <= 100
     claims.add("ns", R1, [1, 2, 3], now=100.0)
     assert len(claims) == 3
+
+
+def test_prefix_label_never_holds_part_of_a_secret() -> None:
+    """The label is cut on whitespace after redaction: a secret is redacted whole or left out."""
+
+    def redact(text: str) -> str:
+        return " ".join("[SECRET]" if w.startswith("sk-") else w for w in text.split(" "))
+
+    def label(system: Any) -> str | None:
+        return prefix_label({"messages": [{"role": "system", "content": system}]}, redact)
+
+    assert label("Short   system\nprompt") == "Short system prompt"
+    long_key = "sk-" + "x" * 500
+    assert label("word " * 14 + long_key) == ("word " * 14).strip()  # key crosses the cut
+    assert label("a " * 10 + "sk-abc rest") == "a " * 10 + "[SECRET] rest"
+    cut = label("token " * 40)
+    assert cut is not None and len(cut) <= 80 and cut.endswith("token")
+    assert label([{"type": "text", "text": "from parts"}]) == "from parts"
+    assert label(None) is None
+    assert prefix_label({"prompt": ["first", "second"]}, redact) == "first"
