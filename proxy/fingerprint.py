@@ -46,7 +46,7 @@ recursion limit an iterative encoder (``_deep_json``) that writes the same text.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import Any, NamedTuple
@@ -459,3 +459,19 @@ def fingerprint_rendered(
         anchor=anchor,
         stable_bytes=stable_bytes,
     )
+
+
+def common_blocks(a: Sequence[int], b: Sequence[int], known: int = 0) -> int:
+    """Leading blocks two chained-hash sequences share, given that they share ``known``.
+
+    A chained hash commits to every block before it, so equal hashes at one position mean equal
+    prefixes up to there, and the answer can be found by bisection.
+    """
+    lo, hi = known, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

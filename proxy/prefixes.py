@@ -25,7 +25,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.fingerprint import Fingerprint, fingerprint, hex64
+from proxy.fingerprint import Fingerprint, common_blocks, fingerprint, hex64
 from proxy.records import RequestRecord
 from proxy.routing import TRAFFIC_MAX_BLOCKS, RoutingConfig, TrafficDepth, route_key
 from proxy.store import DEFAULT_NAMESPACE, PrefixStore, StatsSample
@@ -128,19 +128,6 @@ def checkpoints(n: int) -> Iterator[int]:
             yield k - 1
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int], known: int) -> int:
-    """Leading blocks two hash chains share, given that they share ``known`` (chained hashes:
-    equal at ``i`` means equal everywhere before ``i``, so a binary search finds the end)."""
-    lo, hi = known, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 class RecentClaims:
     """Claims this proxy made in the last ``ttl_s`` seconds, read by its next lookups.
 
@@ -190,7 +177,7 @@ class RecentClaims:
         for i in checkpoints(len(hashes)):
             found = entries.get((namespace, replica, hashes[i]))
             if found is not None and found[0] > now:
-                return common_prefix(hashes, found[1], i + 1)
+                return common_blocks(hashes, found[1], i + 1)
         return 0
 
 

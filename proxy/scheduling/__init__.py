@@ -12,10 +12,11 @@ Routing chooses the replica; scheduling happens after that and before the relay:
 * ``scheduler`` — the ``Scheduler`` the handlers call, and its ``Ticket`` per request.
 """
 
+from proxy.fingerprint import common_blocks
 from proxy.scheduling.config import SLOT_MODES, SchedulingConfig
 from proxy.scheduling.rates import Rates
 from proxy.scheduling.scheduler import REASONS, Scheduler, Ticket, requested_output
-from proxy.scheduling.slots import SlotChoice, SlotRequest, SlotTable, SlotTask, common_blocks
+from proxy.scheduling.slots import SlotChoice, SlotRequest, SlotTable, SlotTask
 
 __all__ = [
     "REASONS",

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.fingerprint import common_blocks
 from proxy.scheduling.rates import Rates
 
 SLOT_HIT = "slot_hit"
@@ -56,22 +57,6 @@ SLOT_REASONS = (
 )
 
 FOREIGN_GRACE_S = 1.0  # a slot seen busy this soon after our request on it ended is still ours
-
-
-def common_blocks(a: Sequence[int], b: Sequence[int]) -> int:
-    """Leading blocks two chained-hash sequences share.
-
-    A chained hash commits to every block before it, so equal hashes at one position mean equal
-    prefixes up to there, and the answer can be found by bisection.
-    """
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 @dataclass(frozen=True, slots=True)

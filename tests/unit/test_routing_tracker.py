@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from proxy.fingerprint import common_blocks
 from proxy.prefixes import (
     PrefixTracker,
     PrefixView,
     RecentClaims,
     checkpoints,
-    common_prefix,
     prefix_label,
 )
 from proxy.records import RequestRecord
@@ -167,7 +167,7 @@ async def test_a_claim_is_seen_before_its_store_write_lands() -> None:
     first = await tracker.lookup(CHAT, body(doc), [R1, R2])
     write = tracker.claim(first, R2, capacity_tokens=100_000)  # not run yet
     again = await tracker.lookup(CHAT, body(doc + " and a follow-up question"), [R1, R2])
-    shared = common_prefix(first.fp.block_hashes, again.fp.block_hashes, 0)
+    shared = common_blocks(first.fp.block_hashes, again.fp.block_hashes)
     assert shared >= 10
     assert again.matched_for(R2) == shared
     assert again.matched_for(R1) == 0
