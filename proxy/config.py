@@ -114,6 +114,20 @@ def _bool(value: Any) -> bool:
     raise ValueError(f"not a boolean: {value!r}")
 
 
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+
+
+def _redis_url(value: Any) -> str | None:
+    """A Redis URL of a scheme the store opens (``redis+cluster://`` for a Redis Cluster)."""
+    text = str(value).strip()
+    if not text:
+        return None
+    scheme, sep, _ = text.partition("://")
+    if not sep or scheme.lower() not in REDIS_SCHEMES:
+        raise ValueError(f"the scheme must be one of {', '.join(s + '://' for s in REDIS_SCHEMES)}")
+    return text
+
+
 def _opt_float(value: Any) -> float | None:
     if value is None or (isinstance(value, str) and value.strip().lower() in {"", "none", "off"}):
         return None
@@ -172,8 +186,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("backend_api_key", str, "API key the proxy sends to the backend (kept server-side)"),
     Option(
         "redis_url",
-        str,
-        "Redis URL for shared prefix index and statistics (default: embedded in-process store)",
+        _redis_url,
+        "Redis URL for shared prefix index and statistics (default: embedded in-process store); "
+        "redis+cluster://HOST:PORT[,HOST:PORT...] for a Redis or Valkey Cluster",
         metavar="URL",
     ),
     Option(

@@ -1,14 +1,17 @@
 """Where the proxy keeps what it learns: the prefix index and the request statistics.
 
 ``open_store()`` gives the embedded, in-process store (the default: no Redis needed);
-``open_store(redis_url=...)`` the Redis store shared by every proxy replica. Both follow
+``open_store(redis_url=...)`` the Redis store shared by every proxy replica: one Redis or Valkey
+(``redis://``, ``rediss://``, ``unix://``) or a Redis or Valkey Cluster
+(``redis+cluster://host:port[,host:port...]``, ``rediss+cluster://``). Both follow
 ``PrefixStore`` (see ``proxy.store.base`` for the contract and the failure model).
 
 Module map::
 
     base.py           PrefixStore protocol, LookupResult, StoreOptions / StoreTimeouts, leading_run
     embedded.py       EmbeddedStore: dicts and OrderedDict LRUs in this process
-    redis_store.py    RedisStore: key layout, bounded calls, breaker
+    redis_store.py    RedisStore: key layout (cluster hash tags), bounded calls, breaker,
+                      single-node and cluster clients
     redis_scripts.py  the Lua the Redis store runs (lookup, record, add_stats, routing inputs)
     health.py         StoreHealth: circuit breaker, one log line per incident
     stats.py          StatsSample, its additive counters, Tally (derived figures, percentiles)
@@ -53,8 +56,10 @@ __all__ = [
 def open_store(*, redis_url: str | None = None, options: StoreOptions | None = None) -> PrefixStore:
     """The store for this process: Redis when ``redis_url`` is given, else embedded.
 
-    Opening never touches the network (the Redis client connects on first use), so it can run
-    in an application's start-up hook; close it with ``await store.aclose()``.
+    Opening never waits on the network (the Redis client connects on first use; a cluster
+    store opened in a running event loop starts learning the cluster's layout in the
+    background), so it can run in an application's start-up hook; close it with
+    ``await store.aclose()``.
     """
     if redis_url:
         return RedisStore.from_url(redis_url, options)

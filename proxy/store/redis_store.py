@@ -4,8 +4,8 @@ Key layout (``pg`` is ``StoreOptions.key_prefix``; ``<ns>`` the namespace, kept 
 short and plain, else ``~`` + a hash; ``<rid>`` the first 12 hex digits of xxh3-64 of the
 replica URL)::
 
-    pg:{<rid>}:idx:<ns>          ZSET  block hash (8 bytes BE) -> last use (ms since 2020)
-    pg:{tr:<ns>}:tc:<bucket>     HASH  leading block hash (8 bytes BE) -> requests carrying it,
+    pg:{rt:<ns>}:idx:<rid>       ZSET  block hash (8 bytes BE) -> last use (ms since 2020)
+    pg:{rt:<ns>}:tc:<bucket>     HASH  leading block hash (8 bytes BE) -> requests carrying it,
                                        "n" -> requests   (bucket = ts // traffic_window_s)
     pg:{fleet}:load              HASH  "<proxy id>|<rid>" -> that proxy's requests in flight
     pg:{fleet}:proxies           ZSET  proxy id -> its last in-flight write (ms since 2020)
@@ -14,13 +14,24 @@ replica URL)::
     pg:{st:<ns>}:top:<hour>      ZSET  anchor -> prompt tokens served in that hour
     pg:{st:<ns>}:anchor:<hour>   HASH  "<anchor>|r|p|c|cp|t|l" -> per-anchor counters, label
 
-The braces are Redis Cluster hash tags: a replica's indexes share a slot, and so do a
-namespace's statistics and its traffic counts, so each script touches one slot. Loads belong
-to the replicas, not to a tenant (a replica is as busy whoever sends to it): they are kept once
-for the whole fleet. Indexes expire
-after ``index_ttl_s`` without a write; buckets ``stats_retention_s`` after their minute or hour
-ends; traffic buckets two window lengths after they start; in-flight counts ``in_flight_ttl_s``
-after the last write, and a proxy silent that long stops counting.
+The braces are Redis Cluster hash tags, and every script and pipeline was laid out around them:
+
+* each script touches keys of one tag (so of one slot): ``CROSSSLOT`` cannot happen;
+* a namespace's routing state, the index of every replica and its traffic counts, shares the
+  ``{rt:<ns>}`` slot, so the critical-path lookup reads two slots in all, that one and
+  ``{fleet}``: one round trip to one node on a single Redis, at most two nodes in parallel on a
+  cluster;
+* a namespace's statistics have a slot of their own (``{st:<ns>}``): a ``/stats`` read of a
+  week of buckets, one pipeline to one node, does not queue behind the lookups;
+* loads belong to the replicas, not to a tenant (a replica is as busy whoever sends to it):
+  they are kept once for the whole fleet, in ``{fleet}``.
+
+Different namespaces hash to different slots, which is how a cluster spreads the load: a
+cluster helps a multi-tenant fleet; one tenant's routing state stays on one node.
+
+Indexes expire after ``index_ttl_s`` without a write; buckets ``stats_retention_s`` after their
+minute or hour ends; traffic buckets two window lengths after they start; in-flight counts
+``in_flight_ttl_s`` after the last write, and a proxy silent that long stops counting.
 
 Each proxy writes its own *absolute* in-flight count per replica (it keeps the count locally),
 so a write lost to a Redis blip is healed by the next one instead of drifting for ever.
@@ -28,11 +39,24 @@ so a write lost to a Redis blip is healed by the next one instead of drifting fo
 Every call is bounded (``StoreTimeouts``) and guarded by a circuit breaker (``StoreHealth``):
 Redis down, hung or restarted costs a request at most ``lookup_s``, and the store reconnects by
 itself (redis-py opens a new connection on the next call after one was dropped).
+
+Redis Cluster (``redis+cluster://`` / ``rediss+cluster://``, see ``from_url``): the client is
+redis-py's ``RedisCluster``; pipelines are split per node and sent in parallel. Learning the
+cluster's layout (``CLUSTER SLOTS`` and ``COMMAND``, some 20 ms) runs in a task of its own,
+never under a caller's deadline: it starts when the store opens, and again in the background
+after every failure, so that the breaker's probe finds a failover or a resharding already
+picked up (a ``MOVED`` answer is followed at once by redis-py). One breaker guards the whole
+cluster: a node down degrades the store (every call answers its neutral result, the traffic
+flows), exactly as a single Redis down does. While the cluster still serves the other nodes'
+slots, a probe that lands on one of them closes the breaker until the next call to the dead
+node opens it again: a ``store_degraded`` / ``store_recovered`` pair per ``breaker_s`` at most,
+until the cluster fails the node over (or declares itself down).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import re
 import time
@@ -40,11 +64,23 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import structlog
 import xxhash
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import (
+    AskError,
+    ClusterCrossSlotError,
+    ClusterDownError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+)
+from redis.exceptions import (
+    ConnectionError as RedisConnectionError,
+)
 
 from proxy.routing import TRAFFIC_MAX_BLOCKS
 from proxy.store.base import DEFAULT_NAMESPACE, LookupResult, StoreOptions
@@ -80,11 +116,20 @@ from proxy.store.window import (
 from proxy.store.window_query import WindowQuery
 
 T = TypeVar("T")
+_log = structlog.get_logger("prefixgate.store")
 _Call = tuple[LuaScript, Sequence[str], Sequence[Any]]
 _PLAIN_NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-# What a failed Redis call can raise: redis-py's errors, socket errors it did not translate, and
-# our own deadline.
-_FAILURES = (RedisError, OSError, TimeoutError)
+# What a failed Redis call can raise: redis-py's errors (the cluster client's own ones are not
+# RedisErrors: "cannot be connected", "slot not covered"), socket errors it did not translate,
+# and our own deadline.
+_FAILURES = (RedisError, RedisClusterException, OSError, TimeoutError)
+# Answers that only a cluster node gives: a plain ``redis://`` URL names one.
+_CLUSTER_ANSWERS = (AskError, ClusterDownError, ClusterCrossSlotError)
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+"""URL schemes of a Redis (or Valkey) Cluster, and the plain scheme each stands for."""
+# As many connections per cluster node as the single-node client allows (redis-py's cluster
+# default, 100, fails calls at once beyond it instead of opening another connection).
+_MAX_CONNECTIONS = 2**31
 
 
 async def _within(call: Awaitable[T], timeout_s: float) -> T:
@@ -121,8 +166,37 @@ def namespace_key(namespace: str) -> str:
 
 
 def replica_id(replica: str) -> str:
-    """Short stable id of a replica URL, used as its hash tag."""
+    """Short stable id of a replica URL (a field of the loads, the name of its index)."""
     return xxhash.xxh3_64_hexdigest(replica.encode())[:12]
+
+
+def cluster_url(url: str) -> tuple[str, list[tuple[str, int]]] | None:
+    """A cluster URL as redis-py takes it: the plain URL of its first node, and every seed node.
+
+    ``redis+cluster://[user:password@]host:port[,host:port...][/0][?option=value...]``
+    (``rediss+cluster://`` for TLS): the seeds are where the client learns the cluster's layout;
+    one is enough, more let a proxy start while one of them is down. ``None`` for any other URL.
+    """
+    scheme, sep, rest = url.partition("://")
+    plain = CLUSTER_SCHEMES.get(scheme.lower())
+    if not sep or plain is None:
+        return None
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    auth, at, hosts = rest[:cut].rpartition("@")
+    names = [h.strip() for h in hosts.split(",")]
+    seeds = [_host_port(name) for name in names]
+    return f"{plain}://{auth}{at}{names[0]}{rest[cut:]}", seeds
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    if text.startswith("["):  # [IPv6]:port
+        host, _, port = text[1:].partition("]")
+        port = port.removeprefix(":")
+    else:
+        host, _, port = text.partition(":")
+    if not host:
+        raise ValueError(f"a cluster URL needs host:port for every seed node, got {text!r}")
+    return host, int(port) if port else 6379
 
 
 def _numbers(value: bytes | str) -> list[int]:
@@ -140,7 +214,7 @@ class RedisStore:
 
     def __init__(
         self,
-        client: Redis,
+        client: Redis | RedisCluster,
         options: StoreOptions | None = None,
         *,
         owns_client: bool = True,
@@ -154,23 +228,44 @@ class RedisStore:
         self._closed = False
         self.proxy_id = uuid.uuid4().hex[:12]
         self._in_flight: dict[str, int] = {}
+        self._cluster = isinstance(client, RedisCluster)
+        self._discovery: asyncio.Task[None] | None = None
+        self._hinted = False
+        if self._cluster:
+            with contextlib.suppress(RuntimeError):  # no running loop: the first call starts it
+                asyncio.get_running_loop()
+                self._discover(refresh=False)
 
     @classmethod
     def from_url(cls, url: str, options: StoreOptions | None = None) -> RedisStore:
-        """A store with its own client for ``url`` (``redis://host:port/db``, ``rediss://``)."""
+        """A store with its own client for ``url``.
+
+        ``redis://host:port/db``, ``rediss://`` (TLS), ``unix://``: one Redis or Valkey primary.
+        ``redis+cluster://host:port[,host:port...]``, ``rediss+cluster://``: a Redis or Valkey
+        Cluster, found from any of those seed nodes (see ``cluster_url``).
+        """
         opts = options or StoreOptions()
         t = opts.timeouts
-        client = Redis.from_url(
-            url,
+        common: dict[str, Any] = {
             # The per-call deadlines (``_guarded``) are the real bounds; these only stop a hung
             # socket from holding a pooled connection forever.
-            socket_connect_timeout=t.connect_s,
-            socket_timeout=max(t.read_s, t.write_s),
+            "socket_connect_timeout": t.connect_s,
+            "socket_timeout": max(t.read_s, t.write_s),
             # No retries inside redis-py: a retry would spend the caller's deadline, and the
             # breaker decides when Redis is tried again.
-            retry=Retry(NoBackoff(), 0),
+            "retry": Retry(NoBackoff(), 0),
             # RESP2: no HELLO handshake on a new connection.
-            protocol=2,
+            "protocol": 2,
+        }
+        cluster = cluster_url(url)
+        if cluster is None:
+            return cls(Redis.from_url(url, **common), opts, owns_client=True)
+        plain, seeds = cluster
+        client = RedisCluster.from_url(
+            plain,
+            startup_nodes=[ClusterNode(host, port) for host, port in seeds[1:]],
+            max_connections=_MAX_CONNECTIONS,
+            **common,
         )
         return cls(client, opts, owns_client=True)
 
@@ -186,14 +281,23 @@ class RedisStore:
         return self._health.failures
 
     @property
-    def client(self) -> Redis:
+    def client(self) -> Redis | RedisCluster:
         return self._client
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the store talks to a Redis Cluster."""
+        return self._cluster
 
     async def aclose(self) -> None:
         """Close the client if this store created it; idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self._discovery is not None and not self._discovery.done():
+            self._discovery.cancel()
+            with contextlib.suppress(BaseException):
+                await self._discovery
         if self._owns_client:
             await self._client.aclose()
 
@@ -204,15 +308,67 @@ class RedisStore:
         if self._closed or not self._health.allow():
             return neutral
         try:
-            result = await _within(call(), timeout_s)
+            if self._cluster and getattr(self._client, "_initialize", True):
+                result = await _within(self._after_discovery(call), timeout_s)
+            else:
+                result = await _within(call(), timeout_s)
         except _FAILURES as exc:
-            self._health.failed(op, exc)
+            self._failed(op, exc)
             return neutral
         except BaseException:  # cancelled from outside (e.g. the client went away)
             self._health.abandoned()
             raise
         self._health.succeeded()
         return result
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        self._health.failed(op, exc)
+        if self._cluster and not self._closed:
+            # A node may have died, failed over or handed its slots on: relearn the layout now,
+            # in the background, so that the breaker's probe finds it ready.
+            self._discover(refresh=True)
+        elif isinstance(exc, _CLUSTER_ANSWERS) and not self._hinted:
+            self._hinted = True
+            _log.error(
+                "store_is_a_cluster",
+                error=type(exc).__name__,
+                detail=str(exc)[:200],
+                hint="the Redis URL names a cluster node: use redis+cluster://host:port",
+            )
+
+    # -- cluster layout ---------------------------------------------------------------------------
+
+    async def _after_discovery(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call`` once the cluster client knows the slots (first call, or after a reset).
+
+        A caller's deadline gives up waiting for the discovery, never stops it (``asyncio.wait``
+        does not cancel what it waits for), so the next call finds it done: it takes longer
+        than a lookup's 5 ms.
+        """
+        task = self._discover(refresh=False)
+        await asyncio.wait({task})
+        if task.cancelled():  # the store is being closed
+            raise RedisConnectionError("the store was closed while learning the cluster's layout")
+        task.result()  # its failure is this call's
+        return await call()
+
+    def _discover(self, *, refresh: bool) -> asyncio.Task[None]:
+        """The running discovery, or a new one (``refresh``: relearn even a known layout)."""
+        task = self._discovery
+        if task is None or task.done():
+            task = asyncio.ensure_future(self._run_discovery(refresh))
+            task.add_done_callback(_retrieve)
+            self._discovery = task
+        return task
+
+    async def _run_discovery(self, refresh: bool) -> None:
+        client = self._client
+        assert isinstance(client, RedisCluster)
+        async with asyncio.timeout(max(self._opts.timeouts.read_s, self._opts.timeouts.connect_s)):
+            if getattr(client, "_initialize", True):
+                await client.initialize()  # CLUSTER SLOTS, then COMMAND (for key positions)
+            elif refresh:
+                await client.nodes_manager.initialize()  # CLUSTER SLOTS only
 
     async def _eval_each(
         self, script: LuaScript, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
@@ -223,23 +379,27 @@ class RedisStore:
     async def _eval_all(
         self, calls: Sequence[tuple[LuaScript, Sequence[str], Sequence[Any]]]
     ) -> list[Any]:
-        """Run each (script, keys, args) in one pipelined round trip.
+        """Run each (script, keys, args) in one pipelined round trip (one per node, in parallel,
+        on a cluster).
 
         After a Redis restart the script cache is empty: the calls that failed for it are sent
         once more with the scripts' source (``EVAL`` runs and caches them), one more round trip
         in all, so that the first lookup after a restart still fits its deadline. Only those
         calls run again: a script that did run is never applied twice.
         """
+        # ``execute_command`` rather than ``pipe.evalsha``: the very same command, but redis-py's
+        # cluster pipeline refuses the ``evalsha`` method wholesale (it cannot know that each
+        # script's keys share a slot; ours do, and the cluster client routes EVALSHA by them).
         pipe = self._client.pipeline(transaction=False)
         for script, keys, args in calls:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
         results = list(await pipe.execute(raise_on_error=False))
         missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
         if missing:
             pipe = self._client.pipeline(transaction=False)
             for i in missing:
                 script, keys, args = calls[i]
-                pipe.eval(script.source, len(keys), *keys, *args)
+                pipe.execute_command("EVAL", script.source, len(keys), *keys, *args)
             again = await pipe.execute(raise_on_error=False)
             for i, r in zip(missing, again, strict=True):
                 results[i] = r
@@ -250,16 +410,20 @@ class RedisStore:
 
     # -- keys -----------------------------------------------------------------------------------
 
+    def _routing_tag(self, namespace: str) -> str:
+        """``pg:{rt:<ns>}``: a namespace's indexes and traffic counts, one cluster slot."""
+        return f"{self._opts.key_prefix}:{{rt:{namespace_key(namespace)}}}"
+
     def index_key(self, namespace: str, replica: str) -> str:
-        """Key of one replica's index in one namespace."""
-        return f"{self._opts.key_prefix}:{{{replica_id(replica)}}}:idx:{namespace_key(namespace)}"
+        """Key of one replica's index in one namespace (in the namespace's routing slot)."""
+        return f"{self._routing_tag(namespace)}:idx:{replica_id(replica)}"
 
     def _stats_key(self, namespace: str, kind: str, index: int) -> str:
         return f"{self._opts.key_prefix}:{{st:{namespace_key(namespace)}}}:{kind}:{index}"
 
     def traffic_key(self, namespace: str, bucket: int) -> str:
-        """Key of a namespace's traffic counts for one bucket."""
-        return f"{self._opts.key_prefix}:{{tr:{namespace_key(namespace)}}}:tc:{bucket}"
+        """Key of a namespace's traffic counts for one bucket (in its routing slot)."""
+        return f"{self._routing_tag(namespace)}:tc:{bucket}"
 
     def fleet_key(self, kind: str) -> str:
         """Key of the fleet-wide in-flight counts (``load``) or proxy liveness (``proxies``)."""

@@ -1,9 +1,10 @@
-"""Fixtures for the store suite: a real redis-server, and every test run on both stores.
+"""Fixtures for the store suite: a real redis-server and Redis Cluster, every test on each store.
 
-``redis_server`` starts ``redis-server`` once per session on a free port (no persistence). The
-``make_store`` fixture is parametrized over the two implementations, so each behavioural test
-runs once embedded and once against Redis (marked ``redis``). A missing redis-server binary
-fails those tests loudly: it is a broken environment, not a reason to skip.
+``redis_server`` starts ``redis-server`` once per session on a free port (no persistence);
+``redis_cluster`` a three-node Redis Cluster the same way. The ``make_store`` fixture is
+parametrized over the implementations, so each behavioural test runs embedded, against one
+Redis and against the cluster (both marked ``redis``). A missing redis-server binary fails those
+tests loudly: it is a broken environment, not a reason to skip.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+from cluster_process import RedisClusterServer
 from redis_process import RELAXED, RedisServer, StoreFactory
 
 from proxy.store import EmbeddedStore, PrefixStore, RedisStore, StoreOptions
@@ -27,6 +29,28 @@ def redis_server() -> Iterator[RedisServer]:
     server.kill()
 
 
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterServer]:
+    """One three-node Redis Cluster for the session."""
+    cluster = RedisClusterServer()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def own_redis_cluster() -> Iterator[RedisClusterServer]:
+    """A Redis Cluster of this test's own, whose nodes it may kill, freeze and restart."""
+    cluster = RedisClusterServer()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture
 def own_redis_server() -> Iterator[RedisServer]:
     """A redis-server of this test's own, free to be killed."""
@@ -38,14 +62,20 @@ def own_redis_server() -> Iterator[RedisServer]:
     server.kill()
 
 
-@pytest.fixture(params=["embedded", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture(
+    params=[
+        "embedded",
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("cluster", marks=pytest.mark.redis),
+    ]
+)
 async def make_store(request: pytest.FixtureRequest) -> AsyncIterator[StoreFactory]:
     """Builds stores of the parametrized kind with given ``StoreOptions`` fields; closes them."""
     kind: str = request.param
     made: list[PrefixStore] = []
-    server: RedisServer | None = None
-    if kind == "redis":
-        server = request.getfixturevalue("redis_server")
+    server: RedisServer | RedisClusterServer | None = None
+    if kind != "embedded":
+        server = request.getfixturevalue("redis_server" if kind == "redis" else "redis_cluster")
         server.flush()
 
     def factory(**options: Any) -> PrefixStore:

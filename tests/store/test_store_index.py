@@ -156,16 +156,17 @@ async def test_two_clients_share_one_index(redis_server: RedisServer) -> None:
 
 
 @pytest.mark.redis
-async def test_redis_layout_uses_replica_hash_tags(redis_server: RedisServer) -> None:
-    """Index keys carry the replica's hash tag, compact members and an idle TTL."""
+async def test_redis_layout_uses_namespace_hash_tags(redis_server: RedisServer) -> None:
+    """Index keys carry the namespace's routing hash tag, compact members and an idle TTL."""
     redis_server.flush()
     store = RedisStore.from_url(redis_server.url, StoreOptions(index_ttl_s=60, timeouts=RELAXED))
     try:
         p = chain(*blocks("k", 3))
         await store.record_prefix("tenant-a", R1, p, CAP)
         key = store.index_key("tenant-a", R1)
-        assert key.startswith("pg:{") and key.endswith("}:idx:tenant-a")
-        assert store.index_key("tenant-b", R1).split(":idx:")[0] == key.split(":idx:")[0]
+        assert key.startswith("pg:{rt:tenant-a}:idx:")
+        assert store.index_key("tenant-a", R2).split(":idx:")[0] == key.split(":idx:")[0]
+        assert store.index_key("tenant-b", R1).split(":idx:")[0] != key.split(":idx:")[0]
         members = await store.client.zrange(key, 0, -1)
         assert sorted(members) == sorted(h.to_bytes(8, "big") for h in p)
         assert 0 < await store.client.pttl(key) <= 60_000

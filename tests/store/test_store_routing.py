@@ -195,15 +195,15 @@ async def test_a_silent_proxy_stops_counting(redis_server: RedisServer) -> None:
 
 @pytest.mark.redis
 async def test_redis_routing_keys_layout(redis_server: RedisServer) -> None:
-    """Traffic counts carry the namespace's hash tag and expire; loads live under {fleet}."""
+    """Traffic counts carry the namespace's routing tag and expire; loads live under {fleet}."""
     redis_server.flush()
     store = RedisStore.from_url(
         redis_server.url, StoreOptions(timeouts=RELAXED, traffic_window_s=60.0)
     )
     try:
         await store.observe_traffic("tenant-a", chain("k", 2))
-        keys = sorted(text(k) for k in await store.client.keys("pg:{tr:*"))
-        assert len(keys) == 1 and keys[0].startswith("pg:{tr:tenant-a}:tc:")
+        keys = sorted(text(k) for k in await store.client.keys("pg:{rt:*"))
+        assert len(keys) == 1 and keys[0].startswith("pg:{rt:tenant-a}:tc:")
         assert 0 < await store.client.ttl(keys[0]) <= 120
         await store.add_in_flight("tenant-a", R1, 1)
         assert await store.client.exists(store.fleet_key("load"), store.fleet_key("proxies")) == 2
