@@ -13,11 +13,12 @@ How the server gets there, chosen to depend on as little of aiohttp's inside as 
 (aiohttp >= 3.13, < 4):
 
 - ``JsonErrorRequestHandler`` subclasses ``RequestHandler`` (one per connection) and overrides
-  ``handle_error`` only. It calls aiohttp's own ``handle_error`` first, for what it does besides
-  the body: logging the failure the way aiohttp does (a bad method on a connection's first
-  request at debug level, everything else as an error with its traceback) and raising
+  ``handle_error`` only. For a server error (500, 504) it calls aiohttp's own
+  ``handle_error`` first, for what it does besides the body: logging the traceback and raising
   ``ConnectionError`` when part of a response was already sent (the connection is then broken,
-  not answered). The text response it builds is replaced by the JSON one.
+  not answered). For a request the parser refused it does the latter itself and logs one
+  ``bad_http_request`` line without the request's bytes (aiohttp's own log line quotes up to
+  100 bytes of the offending line, which may be a credential).
 - Nothing in aiohttp lets a caller choose that class: ``web.Server.__call__``, the protocol
   factory the event loop calls for each connection, constructs ``RequestHandler`` by name.
   ``JsonErrorServer.__call__`` lets aiohttp build the handler as it always does (its arguments,
@@ -48,11 +49,14 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from proxy.errors import error_response
+from proxy.log import get_logger
 
 # web.run_app's defaults, which `prefixgate serve` has always run with.
 KEEPALIVE_TIMEOUT_S = 75.0  # an idle keep-alive connection, or an unfinished request head
 SHUTDOWN_TIMEOUT_S = 60.0  # on SIGTERM, how long requests in flight may take to finish
 BACKLOG = 2048  # aiohttp's 128 overflows in a burst of connections: 1-3 s SYN retries
+
+_log = get_logger()
 
 MESSAGE_LIMIT = 200  # characters of aiohttp's own description kept in the error message
 BAD_HTTP_CODE = "bad_http_request"
@@ -64,8 +68,8 @@ def _describe(exc: BaseException | None, message: str | None) -> str:
     aiohttp's parser messages end with the offending line and a caret under the bad byte
     (``Invalid header value char:\n\n  b'X-Api-Key: ...'\n  ^``); a line too long is quoted
     by its first 100 bytes. Those lines can hold credentials and run to 8 KiB, so only the
-    description before them is kept, at most ``MESSAGE_LIMIT`` characters of it. The whole
-    message is in the server's log (aiohttp logs the exception).
+    description before them is kept, at most ``MESSAGE_LIMIT`` characters of it, in the answer
+    and in the log line alike.
     """
     if isinstance(exc, LineTooLong):
         limit = exc.args[1] if len(exc.args) > 1 else "the limit"
@@ -106,8 +110,25 @@ class JsonErrorRequestHandler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        # aiohttp's: logs, and raises ConnectionError if the response already started.
-        super().handle_error(request, status, exc, message)
+        if status >= 500:
+            # aiohttp's: logs the traceback, and raises ConnectionError if the response
+            # already started.
+            super().handle_error(request, status, exc, message)
+            return error_for(status, exc, message)
+        # A request the parser refused: aiohttp would log it with a traceback quoting the
+        # offending line (up to 100 bytes of it: an Authorization header, say). One line
+        # without the request's bytes is enough.
+        if request.writer.output_size > 0:
+            raise ConnectionError(
+                "Response is sent already, cannot send another response with the error message"
+            )
+        _log.warning(
+            "bad_http_request",
+            status=status,
+            error=type(exc).__name__ if exc is not None else None,
+            reason=_describe(exc, message),
+            remote=request.remote,
+        )
         return error_for(status, exc, message)
 
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import orjson
 import pytest
+import structlog.testing
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
@@ -88,6 +89,22 @@ async def test_framing_error_is_json_and_closes(port: int) -> None:
     assert status == 400 and content_type == "application/json"
     error = assert_shape(body, "invalid_request_error", "bad_http_request")
     assert "topsecret" not in str(error["message"]) and "X-Key" not in str(error["message"])
+
+
+async def test_refused_request_is_logged_without_its_bytes(
+    port: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One ``bad_http_request`` line with the reason; nothing of the offending line, in our log
+    or aiohttp's (which would quote up to 100 bytes of it)."""
+    secret = "Bearer sk-" + "s" * 40
+    request = f"GET /ok HTTP/1.1\r\nHost: x\r\nAuthorization: {secret}{'a' * 9000}\r\n\r\n"
+    with structlog.testing.capture_logs() as events, caplog.at_level(logging.DEBUG):
+        status, _, _ = split(await raw(port, request.encode()))
+    assert status == 400
+    (event,) = [e for e in events if e["event"] == "bad_http_request"]
+    assert event["error"] == "LineTooLong" and "8190" in event["reason"]
+    assert "sk-sss" not in repr(events)
+    assert "sk-sss" not in caplog.text
 
 
 async def test_exception_in_handler_is_json_500(
