@@ -29,26 +29,25 @@ def redis_server() -> Iterator[RedisServer]:
     server.kill()
 
 
-@pytest.fixture(scope="session")
-def redis_cluster() -> Iterator[RedisClusterServer]:
-    """One three-node Redis Cluster for the session."""
+def _running_cluster() -> Iterator[RedisClusterServer]:
     cluster = RedisClusterServer()
     try:
         cluster.start()
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterServer]:
+    """One three-node Redis Cluster for the session."""
+    yield from _running_cluster()
 
 
 @pytest.fixture
 def own_redis_cluster() -> Iterator[RedisClusterServer]:
     """A Redis Cluster of this test's own, whose nodes it may kill, freeze and restart."""
-    cluster = RedisClusterServer()
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
+    yield from _running_cluster()
 
 
 @pytest.fixture

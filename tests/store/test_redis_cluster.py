@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pytest
@@ -18,6 +18,8 @@ from cluster_process import RedisClusterServer
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis_process import RELAXED
+from store_timing import events
+from store_timing import timed as bounded
 from structlog.testing import capture_logs
 
 from proxy.config import ConfigError, resolve
@@ -52,16 +54,8 @@ def slot(key: str) -> int:
     return int(key_slot(key.encode()))
 
 
-def events(logs: list[MutableMapping[str, Any]], name: str) -> list[MutableMapping[str, Any]]:
-    return [e for e in logs if e["event"] == name]
-
-
 async def timed(aw: Awaitable[T], bound_s: float = BOUND_S) -> T:
-    start = time.perf_counter()
-    result = await aw
-    elapsed = time.perf_counter() - start
-    assert elapsed < bound_s, f"took {elapsed * 1000:.1f} ms"
-    return result
+    return await bounded(aw, bound_s)
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, MutableMapping
-from typing import Any, TypeVar
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import pytest
 from redis_process import RedisServer
+from store_timing import events
+from store_timing import timed as bounded
 from structlog.testing import capture_logs
 
 from proxy.store import RedisStore, StatsSample, StoreOptions, StoreTimeouts
@@ -24,17 +26,8 @@ BOUND_S = 0.05
 OPTIONS = StoreOptions(timeouts=StoreTimeouts(lookup_s=0.02, breaker_s=0.2))
 
 
-def events(logs: list[MutableMapping[str, Any]], name: str) -> list[MutableMapping[str, Any]]:
-    return [e for e in logs if e["event"] == name]
-
-
 async def timed(aw: Awaitable[T], bound_s: float = BOUND_S) -> T:
-    """Await ``aw`` and assert it took less than ``bound_s``."""
-    start = time.perf_counter()
-    result = await aw
-    elapsed = time.perf_counter() - start
-    assert elapsed < bound_s, f"took {elapsed * 1000:.1f} ms"
-    return result
+    return await bounded(aw, bound_s)
 
 
 async def exercise_every_call(store: RedisStore) -> None:
