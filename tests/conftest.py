@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,12 +18,20 @@ import pytest
 import structlog
 from aiohttp import web
 from fakes import LlamaFake, MakeProxy, ProxyClient, RecordLog, VllmFake, serve
+from hypothesis import settings
 from structlog.testing import LogCapture
 
 from proxy.app import build_app
 from proxy.config import resolve
 from proxy.log import get_logger
 from proxy.records import RecordWriter
+
+# Property tests explore new random examples on every local run; in CI they replay a fixed
+# sequence, so a run's outcome depends on the commit alone (a counterexample found locally is
+# kept in .hypothesis/ and replayed first next time).
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)
@@ -76,8 +85,6 @@ def make_proxy(aiohttp_client: Any) -> MakeProxy:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """In CI a skipped test is a failure: the real-backend and Redis tests must run there."""
-    import os
-
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = reporter.stats.get("skipped", []) if reporter is not None else []
     if os.environ.get("CI") and skipped:
