@@ -1,12 +1,15 @@
 """Time the prefix lookup on the critical path: ``longest_match`` for four replicas.
 
-Run: ``python bench/bench_store.py [--repeat N] [--redis-url URL]``. Without ``--redis-url`` it
-starts a throw-away ``redis-server`` on a free port. Prompts of 8 KB, 128 KB and 512 KB at
-256-byte blocks are 32, 512 and 2,048 chained hashes; the four replicas hold 100 %, 50 %, 10 %
-and 0 % of the chain. Rows, in microseconds (median and p99):
+Run: ``python bench/bench_store.py [--repeat N] [--redis-url URL] [--redis-cluster-url URL |
+--no-cluster]``. Without ``--redis-url`` it starts a throw-away ``redis-server`` on a free port,
+and without ``--redis-cluster-url`` a throw-away three-node Redis Cluster. Prompts of 8 KB,
+128 KB and 512 KB at 256-byte blocks are 32, 512 and 2,048 chained hashes; the four replicas
+hold 100 %, 50 %, 10 % and 0 % of the chain. Rows, in microseconds (median and p99):
 
 * ``embedded``: the in-process store (no I/O).
 * ``redis``: the Redis store (one pipelined round trip running the lookup script per replica).
+* ``redis-cluster``: the same store on a three-node Redis Cluster (the tenant's index and the
+  fleet's loads may sit on two nodes: one round trip to each, in parallel).
 * ``redis ZMSCORE``: for comparison, the plain alternative: one ``ZMSCORE`` of every hash per
   replica in one pipeline, leading run counted in Python.
 * ``fingerprint + lookup``: ``proxy.fingerprint.fingerprint`` of a chat body of that size plus the
@@ -45,6 +48,7 @@ from proxy.store import (
     StoreTimeouts,
 )
 from proxy.store.redis_scripts import pack_chain
+from tests.store.cluster_process import RedisClusterServer
 
 SIZES = (8 << 10, 128 << 10, 512 << 10)
 REPLICAS = [f"http://10.0.0.{i}:8080" for i in range(1, 5)]
@@ -121,7 +125,7 @@ async def zmscore_lookup(store: RedisStore, hashes: tuple[int, ...]) -> dict[str
     return out
 
 
-async def run(repeat: int, redis_url: str) -> Table:
+async def run(repeat: int, redis_url: str, cluster_url: str | None) -> Table:
     table = Table(title="longest_match, 4 replicas (µs)")
     for column in ("prompt", "hashes", "store", "median", "p99", "> 5 ms"):
         table.add_column(column, justify="right")
@@ -132,6 +136,8 @@ async def run(repeat: int, redis_url: str) -> Table:
         "embedded": EmbeddedStore(generous),
         "redis": RedisStore.from_url(redis_url, generous),
     }
+    if cluster_url is not None:
+        stores["redis-cluster"] = RedisStore.from_url(cluster_url, generous)
     redis_store = stores["redis"]
     assert isinstance(redis_store, RedisStore)
     await redis_store.client.flushdb()
@@ -161,7 +167,9 @@ async def run(repeat: int, redis_url: str) -> Table:
                 partial(zmscore_lookup, redis_store, hashes), repeat // 4, lookup=True
             )
             table.add_row("", "", "redis ZMSCORE", *cells)
-            assert not redis_store.degraded, "Redis failed during the run"
+            assert not any(isinstance(s, RedisStore) and s.degraded for s in stores.values()), (
+                "Redis failed during the run"
+            )
         table.add_section()
         hashes = fingerprint(ROUTE, chat_body(SIZES[1])).block_hashes
         sample = StatsSample(
@@ -197,6 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--repeat", type=int, default=400)
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    parser.add_argument(
+        "--redis-cluster-url",
+        default=None,
+        help="use this Redis Cluster (redis+cluster://host:port) instead of starting one",
+    )
+    parser.add_argument(
+        "--cluster",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the store on a Redis Cluster",
+    )
     args = parser.parse_args(argv)
     proc = None
     url = args.redis_url
@@ -220,9 +239,17 @@ def main(argv: list[str] | None = None) -> int:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"redis://127.0.0.1:{port}/0"
         time.sleep(0.3)
+    cluster = None
+    cluster_url = args.redis_cluster_url
     try:
-        table = asyncio.run(run(args.repeat, url))
+        if args.cluster and cluster_url is None:
+            cluster = RedisClusterServer()
+            cluster.start()
+            cluster_url = cluster.url
+        table = asyncio.run(run(args.repeat, url, cluster_url if args.cluster else None))
     finally:
+        if cluster is not None:
+            cluster.stop()
         if proc is not None:
             proc.kill()
             proc.wait()
