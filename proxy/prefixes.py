@@ -20,7 +20,7 @@ recent claims as matches, its local in-flight counts, a shared depth of 0.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,6 +128,14 @@ def checkpoints(n: int) -> Iterator[int]:
             yield k - 1
 
 
+@dataclass(slots=True, eq=False)
+class _Claim:
+    expires: float
+    namespace: str
+    replica: str
+    chain: Sequence[int]
+
+
 class RecentClaims:
     """Claims this proxy made in the last ``ttl_s`` seconds, read by its next lookups.
 
@@ -135,34 +143,48 @@ class RecentClaims:
     the index before any of those writes lands; without this they would all miss and spread over
     the fleet. A claim is filed under ``(namespace, replica, hash)`` at the checkpoint indices of
     its chain and keeps a reference to the chain, so a lookup finds a claim sharing at least half
-    of its match in O(log n) probes and measures the exact match by binary search. Bounded by
-    ``max_entries`` (oldest out first) and by the TTL.
+    of its match in O(log n) probes and measures the exact match by binary search.
+
+    Bounded by the TTL and by ``max_blocks``, the block hashes the live claims hold in all (a
+    128 KB prompt is 512 of them; 2**18 is some 10 MB at most): past it the oldest claims go
+    first, whatever their age.
     """
 
-    __slots__ = ("_entries", "_max_entries", "_ttl_s")
+    __slots__ = ("_blocks", "_claims", "_entries", "_max_blocks", "_ttl_s")
 
-    def __init__(self, *, ttl_s: float = 5.0, max_entries: int = 65_536) -> None:
+    def __init__(self, *, ttl_s: float = 5.0, max_blocks: int = 1 << 18) -> None:
         self._ttl_s = ttl_s
-        self._max_entries = max_entries
-        self._entries: OrderedDict[tuple[str, str, int], tuple[float, Sequence[int]]] = (
-            OrderedDict()
-        )
+        self._max_blocks = max_blocks
+        self._entries: dict[tuple[str, str, int], _Claim] = {}
+        self._claims: deque[_Claim] = deque()
+        self._blocks = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def blocks(self) -> int:
+        """Block hashes the live claims hold."""
+        return self._blocks
+
     def add(self, namespace: str, replica: str, hashes: Sequence[int], now: float) -> None:
+        claim = _Claim(now + self._ttl_s, namespace, replica, hashes)
         entries = self._entries
-        value = (now + self._ttl_s, hashes)
         for i in checkpoints(len(hashes)):
-            key = (namespace, replica, hashes[i])
-            entries[key] = value
-            entries.move_to_end(key)
-        while entries:
-            key, (expiry, _) = next(iter(entries.items()))
-            if expiry > now and len(entries) <= self._max_entries:
-                break
-            del entries[key]
+            entries[(namespace, replica, hashes[i])] = claim
+        self._claims.append(claim)
+        self._blocks += len(hashes)
+        claims = self._claims
+        while claims and (claims[0].expires <= now or self._blocks > self._max_blocks):
+            self._drop(claims.popleft())
+
+    def _drop(self, claim: _Claim) -> None:
+        self._blocks -= len(claim.chain)
+        entries, chain = self._entries, claim.chain
+        for i in checkpoints(len(chain)):
+            key = (claim.namespace, claim.replica, chain[i])
+            if entries.get(key) is claim:  # not since taken over by a newer claim
+                del entries[key]
 
     def forget(self, namespace: str, replica: str, hashes: Sequence[int]) -> None:
         """Drop a claim (its replica failed before serving the request)."""
@@ -175,9 +197,9 @@ class RecentClaims:
         if not entries:
             return 0
         for i in checkpoints(len(hashes)):
-            found = entries.get((namespace, replica, hashes[i]))
-            if found is not None and found[0] > now:
-                return common_blocks(hashes, found[1], i + 1)
+            claim = entries.get((namespace, replica, hashes[i]))
+            if claim is not None and claim.expires > now:
+                return common_blocks(hashes, claim.chain, i + 1)
         return 0
 
 

@@ -195,13 +195,21 @@ def test_checkpoints_find_any_shared_prefix_exactly() -> None:
 
 
 def test_recent_claims_stay_bounded() -> None:
-    """Old claims go first, by age and by count."""
-    claims = RecentClaims(ttl_s=5.0, max_entries=100)
+    """Old claims go first, by age and by the block hashes they hold in all."""
+    claims = RecentClaims(ttl_s=5.0, max_blocks=100)
     for i in range(1000):
         claims.add("ns", R1, [i * 10 + k for k in range(8)], now=i * 0.001)
-    assert len(claims) <= 100
-    claims.add("ns", R1, [1, 2, 3], now=100.0)
-    assert len(claims) == 3
+    assert claims.blocks <= 100 and len(claims) <= 12 * 4
+    assert claims.matched("ns", R1, [999 * 10 + k for k in range(8)], now=1.0) == 8
+    assert claims.matched("ns", R1, [k for k in range(8)], now=1.0) == 0  # pushed out
+    claims.add("ns", R1, [1, 2, 3], now=100.0)  # everything else has expired
+    assert (claims.blocks, len(claims)) == (3, 3)
+    # A newer claim under the same checkpoint keeps its entry when the older one goes.
+    claims = RecentClaims(ttl_s=1.0)
+    claims.add("ns", R1, [1, 2, 3, 4], now=0.0)
+    claims.add("ns", R1, [1, 2, 3, 5], now=0.5)
+    claims.add("ns", R2, [9], now=1.2)  # the first claim expires
+    assert claims.matched("ns", R1, [1, 2, 3, 5, 6], now=1.2) == 4
 
 
 def test_prefix_label_never_holds_part_of_a_secret() -> None:
