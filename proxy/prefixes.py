@@ -187,9 +187,14 @@ class RecentClaims:
                 del entries[key]
 
     def forget(self, namespace: str, replica: str, hashes: Sequence[int]) -> None:
-        """Drop a claim (its replica failed before serving the request)."""
+        """Drop the claim of ``hashes`` (its replica failed before serving the request); the
+        entries other claims have since taken over stay theirs."""
+        entries = self._entries
         for i in checkpoints(len(hashes)):
-            self._entries.pop((namespace, replica, hashes[i]), None)
+            key = (namespace, replica, hashes[i])
+            claim = entries.get(key)
+            if claim is not None and claim.chain is hashes:
+                del entries[key]
 
     def matched(self, namespace: str, replica: str, hashes: Sequence[int], now: float) -> int:
         """Leading blocks of ``hashes`` that a live claim for ``replica`` holds."""
@@ -294,8 +299,9 @@ class PrefixTracker:
         return self._claim(view, replica, capacity_tokens, model)
 
     def unclaim(self, view: PrefixView, replica: str) -> None:
-        """Forget this proxy's claim for a replica that failed before serving the request (a
-        retry goes elsewhere; related requests should follow the retry, not the failure)."""
+        """Forget this proxy's in-memory claim for a replica that failed before serving the
+        request (a retry goes elsewhere). The store's copy stays: it ages out with the index,
+        and the replica may well hold the prefix from earlier traffic anyway."""
         self.recent.forget(view.namespace, replica, view.fp.block_hashes)
 
     async def _claim(

@@ -44,7 +44,14 @@ import signal
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import (
+    BadHttpMethod,
+    BadStatusLine,
+    HttpProcessingError,
+    InvalidHeader,
+    InvalidURLError,
+    LineTooLong,
+)
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
@@ -62,23 +69,43 @@ MESSAGE_LIMIT = 200  # characters of aiohttp's own description kept in the error
 BAD_HTTP_CODE = "bad_http_request"
 
 
+# Messages aiohttp builds around the request's own bytes with no marker to cut at: described by
+# their class instead (subclasses before their bases).
+_FIXED_DESCRIPTIONS: tuple[tuple[type[HttpProcessingError], str], ...] = (
+    (InvalidURLError, "the request target is not a valid URL"),
+    (InvalidHeader, "a header field is not valid"),
+    (BadHttpMethod, "the request method is not valid"),
+    (BadStatusLine, "the request line is not valid"),
+)
+
+
 def _describe(exc: BaseException | None, message: str | None) -> str:
     """What was wrong with the request, in aiohttp's words, without quoting the request.
 
     aiohttp's parser messages end with the offending line and a caret under the bad byte
-    (``Invalid header value char:\n\n  b'X-Api-Key: ...'\n  ^``); a line too long is quoted
-    by its first 100 bytes. Those lines can hold credentials and run to 8 KiB, so only the
-    description before them is kept, at most ``MESSAGE_LIMIT`` characters of it, in the answer
-    and in the log line alike.
+    (``Invalid header value char:\n\n  b'X-Api-Key: ...'\n  ^``): only the description before
+    them is kept. Some messages quote the request with no such marker (an invalid URL, an
+    invalid header, a bad request line, a line too long): those are described by their kind.
+    Those bytes can hold credentials and run to 8 KiB; neither the answer nor the log line
+    carries them. At most ``MESSAGE_LIMIT`` characters.
     """
     if isinstance(exc, LineTooLong):
         limit = exc.args[1] if len(exc.args) > 1 else "the limit"
         return f"a request line or header field is longer than {limit} bytes"
     if not message and isinstance(exc, HttpProcessingError):
         message = exc.message
-    text = " ".join((message or "").split("\n\n", 1)[0].split()).rstrip(":")
+    message = message or ""
+    if "\n\n" in message:
+        text = " ".join(message.split("\n\n", 1)[0].split()).rstrip(":")
+    else:
+        fixed = next((d for kind, d in _FIXED_DESCRIPTIONS if isinstance(exc, kind)), None)
+        if isinstance(exc, BadStatusLine) and not ("'" in message or '"' in message):
+            fixed = None  # aiohttp's own words, no line quoted ("Received HTTPS traffic...")
+        text = fixed or " ".join(message.split())
     if text.startswith("Pause on PRI"):  # llhttp's words for the HTTP/2 connection preface
         return "HTTP/2 without an upgrade is not supported: send HTTP/1.1"
+    if "b'" in text or 'b"' in text:  # a quoted request we did not foresee
+        return "malformed HTTP request"
     if len(text) > MESSAGE_LIMIT:
         text = text[: MESSAGE_LIMIT - 1] + "…"
     return text or "malformed HTTP request"
@@ -169,16 +196,25 @@ async def serve_app(app: web.Application, *, host: str, port: int, backlog: int 
     """Serve ``app`` until SIGTERM or SIGINT, then shut down gracefully.
 
     The first signal stops listening, lets requests in flight finish (up to
-    ``SHUTDOWN_TIMEOUT_S``) and runs the app's shutdown and cleanup hooks; a second one cuts
-    that short, as it did under ``web.run_app``. A signal that arrives while the app is still
-    starting lets the startup finish, then cleans up without listening.
+    ``SHUTDOWN_TIMEOUT_S``) and runs the app's shutdown and cleanup hooks. A second one cuts
+    the wait short: the connections still open are aborted (their handlers are cancelled, and
+    with them their upstream requests), and the cleanup hooks still run, so the store, the
+    backend connections and the record writer are closed as on a normal stop. A third one gives
+    up on the cleanup as well. A signal that arrives while the app is still starting lets the
+    startup finish, then cleans up without listening.
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     main = asyncio.current_task()
+    runner = make_runner(app)
+    received = 0
 
     def on_signal() -> None:
-        if stop.is_set() and main is not None:
+        nonlocal received
+        received += 1
+        if received == 2:
+            abort_connections(runner)
+        elif received > 2 and main is not None:
             main.cancel()
         stop.set()
 
@@ -186,7 +222,6 @@ async def serve_app(app: web.Application, *, host: str, port: int, backlog: int 
     for sig in signals:
         with contextlib.suppress(NotImplementedError):  # no add_signal_handler on Windows
             loop.add_signal_handler(sig, on_signal)
-    runner = make_runner(app)
     try:
         await runner.setup()
         try:
@@ -201,10 +236,22 @@ async def serve_app(app: web.Application, *, host: str, port: int, backlog: int 
                 loop.remove_signal_handler(sig)
 
 
+def abort_connections(runner: web.BaseRunner) -> None:
+    """Abort every client connection: their handlers are cancelled (``handler_cancellation``),
+    so the server's wait for them ends at once."""
+    server = runner.server
+    if server is None:
+        return
+    for connection in list(server.connections):
+        transport = connection.transport
+        if transport is not None:
+            transport.abort()
+
+
 def run_app(app: web.Application, *, host: str, port: int, backlog: int = BACKLOG) -> None:
     """``web.run_app`` for the proxy: ``serve_app`` on a new event loop, returning when it ends.
 
-    Returns normally after a signal, even when a second one cut the shutdown short.
+    Returns normally after a signal, even when a third one abandoned the cleanup.
     """
     with contextlib.suppress(asyncio.CancelledError, KeyboardInterrupt):
         asyncio.run(serve_app(app, host=host, port=port, backlog=backlog))

@@ -118,6 +118,7 @@ from proxy.store.window_query import WindowQuery
 T = TypeVar("T")
 _log = structlog.get_logger("prefixgate.store")
 _Call = tuple[LuaScript, Sequence[str], Sequence[Any]]
+_Call1 = tuple[Sequence[str], Sequence[Any]]
 _PLAIN_NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 # What a failed Redis call can raise: redis-py's errors (the cluster client's own ones are not
 # RedisErrors: "cannot be connected", "slot not covered"), socket errors it did not translate,
@@ -228,6 +229,8 @@ class RedisStore:
         self._closed = False
         self.proxy_id = uuid.uuid4().hex[:12]
         self._in_flight: dict[str, int] = {}
+        self._in_flight_writing: set[str] = set()  # replicas with a count write under way
+        self._in_flight_stale: set[str] = set()  # ... whose count changed since it started
         self._cluster = isinstance(client, RedisCluster)
         self._discovery: asyncio.Task[None] | None = None
         self._hinted = False
@@ -539,22 +542,42 @@ class RedisStore:
     async def add_in_flight(self, namespace: str, replica: str, delta: int) -> None:
         """Adjust this proxy's count and write it, absolute, under this proxy's id.
 
-        Loads are per replica across namespaces; ``namespace`` only says who asked.
+        Loads are per replica across namespaces; ``namespace`` only says who asked. Writes for
+        one replica never overlap: a change made while one is under way marks the replica, and
+        the writer under way writes again with the newest count. Two overlapping writes could
+        reach Redis in either order (separate connections), and an older count landing last
+        would stay there for as long as the replica gets no more traffic.
         """
         count = max(self._in_flight.get(replica, 0) + delta, 0)
         if count:
             self._in_flight[replica] = count
         else:
             self._in_flight.pop(replica, None)
-        call = (
-            (self.fleet_key("load"), self.fleet_key("proxies")),
-            (self.proxy_id, replica_id(replica), count, self._in_flight_ttl_ms()),
-        )
+        if replica in self._in_flight_writing:
+            self._in_flight_stale.add(replica)
+            return
+        self._in_flight_writing.add(replica)
+        try:
+            while True:
+                self._in_flight_stale.discard(replica)
+                call = (
+                    (self.fleet_key("load"), self.fleet_key("proxies")),
+                    (
+                        self.proxy_id,
+                        replica_id(replica),
+                        self._in_flight.get(replica, 0),
+                        self._in_flight_ttl_ms(),
+                    ),
+                )
 
-        async def run() -> None:
-            await self._eval_each(IN_FLIGHT, [call])
+                async def run(c: _Call1 = call) -> None:
+                    await self._eval_each(IN_FLIGHT, [c])
 
-        await self._guarded("in_flight", self._opts.timeouts.write_s, None, run)
+                await self._guarded("in_flight", self._opts.timeouts.write_s, None, run)
+                if replica not in self._in_flight_stale:
+                    return
+        finally:
+            self._in_flight_writing.discard(replica)
 
     # -- statistics -----------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 SIGTERM or SIGINT: the port stops listening, a request in flight is finished, the app's
 shutdown and cleanup hooks run, and the process exits 0. A second signal cuts a slow shutdown
-short. Each case runs a tiny app in its own process, so the signal is real.
+short and the cleanup hooks still run. Each case runs a tiny app in its own process, so the
+signal is real.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def test_second_signal_cuts_shutdown_short() -> None:
             assert proc.proc.wait(5) == 0, proc.output_tail()
         except subprocess.TimeoutExpired:
             pytest.fail("a second SIGTERM did not stop the shutdown")
-        assert "returned" in proc.output_tail().split()
+        out = proc.output_tail().split()
+        assert out[-3:] == ["on_shutdown", "on_cleanup", "returned"], out
         thread.join(10)
     finally:
         proc.stop()

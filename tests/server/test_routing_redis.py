@@ -115,3 +115,25 @@ async def test_same_request_same_decision_with_shared_loads(
     assert {d.replica for d in loaded} == {f.url for f in fakes} - {holder}
     assert all(d.reason == "miss" for d in loaded)
     await asyncio.gather(*slow)
+
+
+async def test_a_fast_failure_leaves_no_load_behind(
+    aiohttp_server: Any, make_proxy: MakeProxy, redis_server: RedisServer
+) -> None:
+    """A request that fails before the claim's store writes are done (connection refused) must
+    not leave its +1 in the shared count: every proxy would see the replica busy for good."""
+    fake = LlamaFake()
+    server = await aiohttp_server(fake.app())
+    fake.url = str(server.make_url("")).rstrip("/")
+    client, _, app = await fleet_proxy(
+        make_proxy, fake, redis_url=redis_server.url, timeouts=Timeouts(connect=2, store=0.5)
+    )
+    state = app[STATE]
+    await server.close()  # connections are now refused at once
+    for n in range(6):
+        async with client.post("/v1/chat/completions", json=conversation(n, 1)) as resp:
+            assert resp.status == 502
+    await state.writer.drain()
+    view = await state.tracker.lookup(CHAT, conversation(0, 1), [fake.url])
+    assert view.available
+    assert view.loads == {fake.url: 0.0}

@@ -113,6 +113,19 @@ async def test_in_flight_loads_go_up_and_down_and_never_below_zero(store: Prefix
     assert (await store.lookup("default", [R1], [])).loads == {R1: 1.0}
 
 
+async def test_overlapping_in_flight_writes_leave_the_newest_count(store: PrefixStore) -> None:
+    """Requests starting and ending at once (a fast failure, a burst): writes that overlap end
+    with the count as it is now, whatever order they would have reached the store in."""
+    for _ in range(5):
+        ups = [store.add_in_flight("default", R1, 1) for _ in range(8)]
+        downs = [store.add_in_flight("default", R1, -1) for _ in range(8)]
+        await asyncio.gather(*(c for pair in zip(ups, downs, strict=True) for c in pair))
+        assert (await store.lookup("default", [R1], [])).loads == {R1: 0.0}
+    await asyncio.gather(*(store.add_in_flight("default", R1, 1) for _ in range(6)))
+    await asyncio.gather(*(store.add_in_flight("default", R1, -1) for _ in range(2)))
+    assert (await store.lookup("default", [R1], [])).loads == {R1: 4.0}
+
+
 async def test_loads_belong_to_replicas_not_tenants(store: PrefixStore) -> None:
     """A replica busy with one tenant's requests is as busy for every other tenant."""
     await store.add_in_flight("tenant-a", R1, 1)

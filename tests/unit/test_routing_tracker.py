@@ -175,6 +175,13 @@ async def test_a_claim_is_seen_before_its_store_write_lands() -> None:
     # Forgotten (the replica failed before serving): the store's copy is all that is left.
     tracker.unclaim(first, R2)
     assert len(tracker.recent) == 0
+    # Forgetting one claim leaves the entries a later claim took over.
+    claims = RecentClaims()
+    a, b = (1, 2, 3, 4), (1, 2, 3, 5)
+    claims.add("ns", R1, a, now=0.0)
+    claims.add("ns", R1, b, now=0.0)
+    claims.forget("ns", R1, a)
+    assert claims.matched("ns", R1, (1, 2, 3, 6), now=0.0) == 3  # found through b's entries
 
 
 def test_checkpoints_find_any_shared_prefix_exactly() -> None:

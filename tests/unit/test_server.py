@@ -15,7 +15,14 @@ import orjson
 import pytest
 import structlog.testing
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.http_exceptions import (
+    BadHttpMessage,
+    BadHttpMethod,
+    BadStatusLine,
+    InvalidHeader,
+    InvalidURLError,
+    LineTooLong,
+)
 
 from proxy.server import MESSAGE_LIMIT, JsonErrorRequestHandler, error_for, make_runner
 
@@ -174,6 +181,18 @@ def test_messages_do_not_quote_the_request() -> None:
     exc = BadHttpMessage("Invalid HTTP header: " + "x" * 5000)
     message = message_of(error_for(400, exc, None))
     assert "\n" not in message and len(message) < MESSAGE_LIMIT + 50
+
+    # Messages that quote the request with nothing to cut at: described by their kind.
+    for exc, described in (
+        (InvalidURLError(f"http://[bad/?api_key={key}"), "not a valid URL"),
+        (InvalidHeader(f"X-Key: {key}".encode()), "a header field is not valid"),
+        (BadStatusLine(f"GET /?key={key} HTTP/9"), "the request line is not valid"),
+        (BadStatusLine(f"GET /?key={key}\x01 HTTP/9"), "the request line is not valid"),
+        (BadHttpMethod(f"{key} / HTTP/1.1"), "the request method is not valid"),
+        (BadHttpMessage(f"Unforeseen: b'{key}'"), "malformed HTTP request"),
+    ):
+        message = message_of(error_for(400, exc, exc.message))
+        assert message.endswith(described) and "sk-" not in message, message
 
     exc = BadHttpMessage("Pause on PRI/Upgrade:\n\n  b''\n  ^")
     assert "HTTP/2" in message_of(error_for(400, exc, exc.message))
