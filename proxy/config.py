@@ -22,6 +22,7 @@ from proxy.routing import POLICIES, RoutingConfig
 from proxy.scheduling.config import SLOT_MODES, SchedulingConfig
 
 ENV_PREFIX = "PREFIXGATE_"
+PASSTHROUGH_MODES = ("all", "read-only", "off")
 DIALECTS = ("auto", "llamacpp", "vllm", "openai")
 
 
@@ -91,6 +92,8 @@ class Settings:
     canonical_dry_run: bool = False
     canonical: Mapping[str, Any] = field(default_factory=dict)
     admin_token: str | None = None
+    passthrough: str = "all"
+    """What is forwarded besides the inference routes: one of ``PASSTHROUGH_MODES``."""
     api_keys: tuple[str, ...] = ()
     api_keys_file: str | None = None
     tenant_header: str | None = None
@@ -417,6 +420,14 @@ OPTIONS: tuple[Option, ...] = (
         metavar="PATH",
     ),
     Option(
+        "passthrough",
+        str,
+        "what the proxy forwards besides chat, completions and /completion: all (every other "
+        "path and method), read-only (GET, HEAD and OPTIONS only) or off (nothing: 404)",
+        "all",
+        metavar="MODE",
+    ),
+    Option(
         "tenant_header",
         str,
         "request header naming the tenant (refines the key's tenant when keys are set)",
@@ -586,6 +597,8 @@ def resolve(
     if values["block_bytes"] < 16:
         raise ConfigError("--block-bytes must be at least 16")
     routing, health = _fleet_settings(values)
+    if values["passthrough"] not in PASSTHROUGH_MODES:
+        raise ConfigError(f"--passthrough must be one of {', '.join(PASSTHROUGH_MODES)}")
     return Settings(
         backends=tuple(backends),
         host=values["host"],
@@ -622,6 +635,7 @@ def resolve(
         api_keys=values["api_key"] or (),
         api_keys_file=values["api_keys_file"],
         tenant_header=values["tenant_header"],
+        passthrough=values["passthrough"],
         redact_patterns=values["redact_pattern"] or (),
         redact_defaults=values["redact_defaults"],
         config_file=str(config_path) if config_path else None,

@@ -70,6 +70,12 @@ class Unauthorized(ProxyError):
         return resp
 
 
+class NotFound(ProxyError):
+    status = 404
+    type = "invalid_request_error"
+    code = "unknown_route"
+
+
 class RequestTimeout(ProxyError):
     status = 408
     type = "invalid_request_error"

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from proxy.backends import CHAT, COMPLETIONS, NATIVE_COMPLETION
 from proxy.canonical import CanonicalResult
-from proxy.errors import BackendUnavailable, ProxyError
+from proxy.errors import BackendUnavailable, NotFound, ProxyError
 from proxy.fleet import Replica
 from proxy.log import get_logger
 from proxy.prefixes import PrefixView, prefix_label
@@ -286,9 +286,17 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     """Every other path: forwarded to the first healthy backend untouched.
 
     When that backend cannot be reached, an idempotent request (GET, HEAD, OPTIONS) is sent
-    once to the next healthy one.
+    once to the next healthy one. ``--passthrough read-only`` forwards only those methods,
+    ``off`` nothing (404): pass-through requests get no record, no canonicalization and no
+    tenant cache partition, so an operator isolating tenants can close them.
     """
     state = request.app[STATE]
+    mode = state.settings.passthrough
+    if mode == "off" or (mode == "read-only" and request.method not in IDEMPOTENT_METHODS):
+        raise NotFound(
+            f"{request.method} {request.path} is not forwarded by this proxy "
+            f"(--passthrough {mode}); it serves chat, completions and /completion"
+        )
     limit, idle_s = state.settings.max_body_bytes, state.settings.timeouts.client
     body = await read_body(request, limit, idle_s=idle_s) if request.can_read_body else None
     order = state.fleet.passthrough_order()

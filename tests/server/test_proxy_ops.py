@@ -60,6 +60,31 @@ async def test_tokenize_passthrough(llama_fake: LlamaFake, make_proxy: MakeProxy
     }
 
 
+@pytest.mark.parametrize(
+    "mode,get_status,post_status", [("all", 200, 200), ("read-only", 200, 404), ("off", 404, 404)]
+)
+async def test_passthrough_modes(
+    llama_fake: LlamaFake, make_proxy: MakeProxy, mode: str, get_status: int, post_status: int
+) -> None:
+    """``--passthrough read-only`` forwards GET only, ``off`` nothing; refusals are 404 in the
+    OpenAI shape and never reach the backend; inference and the proxy's own routes still work."""
+    client, _, _ = await make_proxy(llama_fake.url, passthrough=mode)
+    async with client.get("/v1/models") as resp:
+        assert resp.status == get_status
+    llama_fake.received.clear()
+    async with client.post("/tokenize", json={"content": "a bb"}) as resp:
+        assert resp.status == post_status
+        if post_status == 404:
+            body = await resp.json()
+            assert body["error"]["code"] == "unknown_route"
+            assert f"--passthrough {mode}" in body["error"]["message"]
+    assert llama_fake.received.is_set() == (mode == "all")  # the POST reached the backend
+    async with client.post("/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 200
+    async with client.get("/healthz") as resp:
+        assert resp.status == 200
+
+
 async def test_request_id_taken_from_client(llama_fake: LlamaFake, make_proxy: MakeProxy) -> None:
     """A well-formed X-Request-Id is kept: returned, sent upstream and recorded."""
     client, records, _ = await make_proxy(llama_fake.url)
