@@ -10,8 +10,8 @@ Module map::
 
     base.py           PrefixStore protocol, LookupResult, StoreOptions / StoreTimeouts, leading_run
     embedded.py       EmbeddedStore: dicts and OrderedDict LRUs in this process
-    redis_store.py    RedisStore: key layout (cluster hash tags), bounded calls, breaker,
-                      single-node and cluster clients
+    redis_store.py    RedisStore: key layout (cluster hash tags), bounded calls, breaker
+    redis_cluster.py  Redis Cluster: its URLs, its client, learning its slots off the call path
     redis_scripts.py  the Lua the Redis store runs (lookup, record, add_stats, routing inputs)
     health.py         StoreHealth: circuit breaker, one log line per incident
     stats.py          StatsSample, its additive counters, Tally (derived figures, percentiles)

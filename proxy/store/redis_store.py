@@ -40,23 +40,18 @@ Every call is bounded (``StoreTimeouts``) and guarded by a circuit breaker (``St
 Redis down, hung or restarted costs a request at most ``lookup_s``, and the store reconnects by
 itself (redis-py opens a new connection on the next call after one was dropped).
 
-Redis Cluster (``redis+cluster://`` / ``rediss+cluster://``, see ``from_url``): the client is
-redis-py's ``RedisCluster``; pipelines are split per node and sent in parallel. Learning the
-cluster's layout (``CLUSTER SLOTS`` and ``COMMAND``, some 20 ms) runs in a task of its own,
-never under a caller's deadline: it starts when the store opens, and again in the background
-after every failure, so that the breaker's probe finds a failover or a resharding already
-picked up (a ``MOVED`` answer is followed at once by redis-py). One breaker guards the whole
-cluster: a node down degrades the store (every call answers its neutral result, the traffic
-flows), exactly as a single Redis down does. While the cluster still serves the other nodes'
-slots, a probe that lands on one of them closes the breaker until the next call to the dead
-node opens it again: a ``store_degraded`` / ``store_recovered`` pair per ``breaker_s`` at most,
-until the cluster fails the node over (or declares itself down).
+Redis Cluster (``redis+cluster://`` / ``rediss+cluster://``; the client and its layout are
+``proxy.store.redis_cluster``'s): pipelines are split per node and sent in parallel. One
+breaker guards the whole cluster: a node down degrades the store (every call answers its
+neutral result, the traffic flows), exactly as a single Redis down does. While the cluster
+still serves the other nodes' slots, a probe that lands on one of them closes the breaker until
+the next call to the dead node opens it again: a ``store_degraded`` / ``store_recovered`` pair
+per ``breaker_s`` at most, until the cluster fails the node over (or declares itself down).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import re
 import time
@@ -67,19 +62,13 @@ from typing import Any, TypeVar
 import structlog
 import xxhash
 from redis.asyncio import Redis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import (
-    AskError,
-    ClusterCrossSlotError,
-    ClusterDownError,
     NoScriptError,
     RedisClusterException,
     RedisError,
-)
-from redis.exceptions import (
-    ConnectionError as RedisConnectionError,
 )
 
 from proxy.routing import TRAFFIC_MAX_BLOCKS
@@ -94,6 +83,7 @@ from proxy.store.ranking import (
     rank,
     trim_threshold,
 )
+from proxy.store.redis_cluster import CLUSTER_ANSWERS, ClusterLayout, cluster_client
 from proxy.store.redis_scripts import (
     ADD_STATS,
     IN_FLIGHT,
@@ -124,13 +114,6 @@ _PLAIN_NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 # RedisErrors: "cannot be connected", "slot not covered"), socket errors it did not translate,
 # and our own deadline.
 _FAILURES = (RedisError, RedisClusterException, OSError, TimeoutError)
-# Answers that only a cluster node gives: a plain ``redis://`` URL names one.
-_CLUSTER_ANSWERS = (AskError, ClusterDownError, ClusterCrossSlotError)
-CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-"""URL schemes of a Redis (or Valkey) Cluster, and the plain scheme each stands for."""
-# As many connections per cluster node as the single-node client allows (redis-py's cluster
-# default, 100, fails calls at once beyond it instead of opening another connection).
-_MAX_CONNECTIONS = 2**31
 
 
 async def _within(call: Awaitable[T], timeout_s: float) -> T:
@@ -171,35 +154,6 @@ def replica_id(replica: str) -> str:
     return xxhash.xxh3_64_hexdigest(replica.encode())[:12]
 
 
-def cluster_url(url: str) -> tuple[str, list[tuple[str, int]]] | None:
-    """A cluster URL as redis-py takes it: the plain URL of its first node, and every seed node.
-
-    ``redis+cluster://[user:password@]host:port[,host:port...][/0][?option=value...]``
-    (``rediss+cluster://`` for TLS): the seeds are where the client learns the cluster's layout;
-    one is enough, more let a proxy start while one of them is down. ``None`` for any other URL.
-    """
-    scheme, sep, rest = url.partition("://")
-    plain = CLUSTER_SCHEMES.get(scheme.lower())
-    if not sep or plain is None:
-        return None
-    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
-    auth, at, hosts = rest[:cut].rpartition("@")
-    names = [h.strip() for h in hosts.split(",")]
-    seeds = [_host_port(name) for name in names]
-    return f"{plain}://{auth}{at}{names[0]}{rest[cut:]}", seeds
-
-
-def _host_port(text: str) -> tuple[str, int]:
-    if text.startswith("["):  # [IPv6]:port
-        host, _, port = text[1:].partition("]")
-        port = port.removeprefix(":")
-    else:
-        host, _, port = text.partition(":")
-    if not host:
-        raise ValueError(f"a cluster URL needs host:port for every seed node, got {text!r}")
-    return host, int(port) if port else 6379
-
-
 def _numbers(value: bytes | str) -> list[int]:
     """The integers of a comma-separated script answer (the routing reads)."""
     text = _text(value)
@@ -231,13 +185,11 @@ class RedisStore:
         self._in_flight: dict[str, int] = {}
         self._in_flight_writing: set[str] = set()  # replicas with a count write under way
         self._in_flight_stale: set[str] = set()  # ... whose count changed since it started
-        self._cluster = isinstance(client, RedisCluster)
-        self._discovery: asyncio.Task[None] | None = None
+        self._layout: ClusterLayout | None = None
+        if isinstance(client, RedisCluster):
+            timeouts = self._opts.timeouts
+            self._layout = ClusterLayout(client, timeout_s=max(timeouts.read_s, timeouts.connect_s))
         self._hinted = False
-        if self._cluster:
-            with contextlib.suppress(RuntimeError):  # no running loop: the first call starts it
-                asyncio.get_running_loop()
-                self._discover(refresh=False)
 
     @classmethod
     def from_url(cls, url: str, options: StoreOptions | None = None) -> RedisStore:
@@ -245,7 +197,7 @@ class RedisStore:
 
         ``redis://host:port/db``, ``rediss://`` (TLS), ``unix://``: one Redis or Valkey primary.
         ``redis+cluster://host:port[,host:port...]``, ``rediss+cluster://``: a Redis or Valkey
-        Cluster, found from any of those seed nodes (see ``cluster_url``).
+        Cluster, found from any of those seed nodes (see ``proxy.store.redis_cluster``).
         """
         opts = options or StoreOptions()
         t = opts.timeouts
@@ -260,16 +212,7 @@ class RedisStore:
             # RESP2: no HELLO handshake on a new connection.
             "protocol": 2,
         }
-        cluster = cluster_url(url)
-        if cluster is None:
-            return cls(Redis.from_url(url, **common), opts, owns_client=True)
-        plain, seeds = cluster
-        client = RedisCluster.from_url(
-            plain,
-            startup_nodes=[ClusterNode(host, port) for host, port in seeds[1:]],
-            max_connections=_MAX_CONNECTIONS,
-            **common,
-        )
+        client = cluster_client(url, **common) or Redis.from_url(url, **common)
         return cls(client, opts, owns_client=True)
 
     # -- state ----------------------------------------------------------------------------------
@@ -290,17 +233,15 @@ class RedisStore:
     @property
     def cluster(self) -> bool:
         """Whether the store talks to a Redis Cluster."""
-        return self._cluster
+        return self._layout is not None
 
     async def aclose(self) -> None:
         """Close the client if this store created it; idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self._discovery is not None and not self._discovery.done():
-            self._discovery.cancel()
-            with contextlib.suppress(BaseException):
-                await self._discovery
+        if self._layout is not None:
+            await self._layout.aclose()
         if self._owns_client:
             await self._client.aclose()
 
@@ -311,8 +252,8 @@ class RedisStore:
         if self._closed or not self._health.allow():
             return neutral
         try:
-            if self._cluster and getattr(self._client, "_initialize", True):
-                result = await _within(self._after_discovery(call), timeout_s)
+            if self._layout is not None and self._layout.pending:
+                result = await _within(self._layout.then(call), timeout_s)
             else:
                 result = await _within(call(), timeout_s)
         except _FAILURES as exc:
@@ -326,11 +267,9 @@ class RedisStore:
 
     def _failed(self, op: str, exc: BaseException) -> None:
         self._health.failed(op, exc)
-        if self._cluster and not self._closed:
-            # A node may have died, failed over or handed its slots on: relearn the layout now,
-            # in the background, so that the breaker's probe finds it ready.
-            self._discover(refresh=True)
-        elif isinstance(exc, _CLUSTER_ANSWERS) and not self._hinted:
+        if self._layout is not None and not self._closed:
+            self._layout.refresh()
+        elif isinstance(exc, CLUSTER_ANSWERS) and not self._hinted:
             self._hinted = True
             _log.error(
                 "store_is_a_cluster",
@@ -338,40 +277,6 @@ class RedisStore:
                 detail=str(exc)[:200],
                 hint="the Redis URL names a cluster node: use redis+cluster://host:port",
             )
-
-    # -- cluster layout ---------------------------------------------------------------------------
-
-    async def _after_discovery(self, call: Callable[[], Awaitable[T]]) -> T:
-        """``call`` once the cluster client knows the slots (first call, or after a reset).
-
-        A caller's deadline gives up waiting for the discovery, never stops it (``asyncio.wait``
-        does not cancel what it waits for), so the next call finds it done: it takes longer
-        than a lookup's 5 ms.
-        """
-        task = self._discover(refresh=False)
-        await asyncio.wait({task})
-        if task.cancelled():  # the store is being closed
-            raise RedisConnectionError("the store was closed while learning the cluster's layout")
-        task.result()  # its failure is this call's
-        return await call()
-
-    def _discover(self, *, refresh: bool) -> asyncio.Task[None]:
-        """The running discovery, or a new one (``refresh``: relearn even a known layout)."""
-        task = self._discovery
-        if task is None or task.done():
-            task = asyncio.ensure_future(self._run_discovery(refresh))
-            task.add_done_callback(_retrieve)
-            self._discovery = task
-        return task
-
-    async def _run_discovery(self, refresh: bool) -> None:
-        client = self._client
-        assert isinstance(client, RedisCluster)
-        async with asyncio.timeout(max(self._opts.timeouts.read_s, self._opts.timeouts.connect_s)):
-            if getattr(client, "_initialize", True):
-                await client.initialize()  # CLUSTER SLOTS, then COMMAND (for key positions)
-            elif refresh:
-                await client.nodes_manager.initialize()  # CLUSTER SLOTS only
 
     async def _eval_each(
         self, script: LuaScript, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]

@@ -31,7 +31,7 @@ from proxy.store import (
     StoreTimeouts,
     open_store,
 )
-from proxy.store.redis_store import cluster_url
+from proxy.store.redis_cluster import cluster_url
 
 T = TypeVar("T")
 CAP = 10_000
