@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.canonical import Canonicalizer
-from proxy.fingerprint import _deep_json, _json, fingerprint
+from proxy.deep_json import deep_json
+from proxy.fingerprint import _json, fingerprint
 
 CHAT = "/v1/chat/completions"
 
@@ -42,15 +43,15 @@ def test_fingerprint_never_raises_on_deep_json(depth: int) -> None:
 
 def test_deep_fallback_renders_what_json_renders() -> None:
     value = nested(600)  # past orjson's 255 levels, within json's reach
-    assert _deep_json(value) == stdlib(value)
+    assert deep_json(value) == stdlib(value)
     assert _json(value) == stdlib(value).encode()
     odd = {"s": '"\\\n\x01é\ud800', 2: 2, 1.5: 3, True: None, "f": [float("nan"), float("inf")]}
-    assert _deep_json(odd) == stdlib(odd)
-    assert _deep_json({"o": object.__new__(object)}).startswith('{"o":"<object object')
+    assert deep_json(odd) == stdlib(odd)
+    assert deep_json({"o": object.__new__(object)}).startswith('{"o":"<object object')
     loop: list[Any] = []
     loop.append(loop)
     with pytest.raises(ValueError, match="Circular"):
-        _deep_json(loop)
+        deep_json(loop)
 
 
 json_values = st.recursive(
@@ -65,7 +66,7 @@ json_values = st.recursive(
 @settings(max_examples=300, deadline=None)
 @given(json_values)
 def test_deep_fallback_matches_json_on_any_value(value: Any) -> None:
-    assert _deep_json(value) == stdlib(value)
+    assert deep_json(value) == stdlib(value)
 
 
 # Only 5,000 levels: the canonicalizer's walk over tool schemas copies each node's path, so it is
