@@ -12,6 +12,7 @@ from it in the background.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,11 +211,15 @@ async def _attempt(
     ex.dialect = replica.dialect
     capacity = replica.capacity_tokens(state.settings.capacity_tokens)
     replica.in_flight += 1
-    # Two tasks, the count first: a task's first step runs before any task spawned after it, so
-    # the store applies this +1 before the -1 of the ``finally`` below, however fast that comes
-    # (the claim's writes take two round trips; the count must not wait behind them).
-    state.writer.spawn(state.tracker.in_flight(view, replica.url, +1))
-    state.writer.spawn(state.tracker.claim(view, replica.url, capacity, out.model))
+    # One background task, the count first: a task's first step runs before any task spawned
+    # after it, so the store applies this +1 before the -1 of the ``finally`` below, however
+    # fast that comes (behind the claim's two round trips, it could come after it).
+    state.writer.spawn(
+        _in_order(
+            state.tracker.in_flight(view, replica.url, +1),
+            state.tracker.claim(view, replica.url, capacity, out.model),
+        )
+    )
     ticket = None
     try:
         body = dict(out.body)
@@ -243,6 +248,14 @@ async def _attempt(
             ticket.end(ok=200 <= ex.status < 400 and ex.error is None)
         replica.in_flight -= 1
         state.writer.spawn(state.tracker.in_flight(view, replica.url, -1))
+
+
+async def _in_order(first: Awaitable[None], then: Awaitable[None]) -> None:
+    """Background work in one task: ``then`` runs even when ``first`` fails."""
+    try:
+        await first
+    finally:
+        await then
 
 
 async def _retry(
