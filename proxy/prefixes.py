@@ -243,13 +243,8 @@ class PrefixTracker:
         local = self._local_in_flight
         loads = {r: max(found.loads.get(r, 0.0), float(local.get(r, 0))) for r in replicas}
         matched: Mapping[str, int] = found.matched
-        if len(self.recent):
-            now = time.monotonic()
-            recent = self.recent
-            matched = {
-                r: max(found.matched.get(r, 0), recent.matched(namespace, r, hashes, now))
-                for r in replicas
-            }
+        if len(self.recent):  # this proxy's claims the store may not have yet
+            matched = self._with_recent(namespace, replicas, hashes, found.matched)
         return PrefixView(
             fp=fp,
             namespace=namespace,
@@ -258,6 +253,20 @@ class PrefixTracker:
             shared_blocks=self.depth.shared_blocks(found.window_requests, found.hash_counts),
             available=found.available,
         )
+
+    def _with_recent(
+        self,
+        namespace: str,
+        replicas: Sequence[str],
+        hashes: Sequence[int],
+        stored: Mapping[str, int],
+    ) -> dict[str, int]:
+        """The store's matches, raised by this proxy's recent claims (a full match needs none)."""
+        now, full, out = time.monotonic(), len(hashes), {}
+        for r in replicas:
+            m = stored.get(r, 0)
+            out[r] = m if m >= full else max(m, self.recent.matched(namespace, r, hashes, now))
+        return out
 
     def local_in_flight(self, replica: str) -> int:
         """Requests this proxy has in flight to ``replica``."""

@@ -196,13 +196,9 @@ def _cut(text: str, keep: int) -> str:
     head = text[:keep]
     space = max(head.rfind(c) for c in " \t\n\r\f\v")
     head = head[: space + 1]  # nothing at all when there is no whitespace
-    pos = 0
-    while (begin := _PK_BEGIN.search(head, pos)) is not None:
-        end = _PK_END.search(head, begin.end())
-        if end is None:
-            return head[: begin.start()]
-        pos = end.end()
-    return head
+    closed = max((end for _, end in _private_key_spans(head)), default=0)
+    unclosed = _PK_BEGIN.search(head, closed)  # a block the cut leaves open
+    return head if unclosed is None else head[: unclosed.start()]
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,9 +69,9 @@ MESSAGE_LIMIT = 200  # characters of aiohttp's own description kept in the error
 BAD_HTTP_CODE = "bad_http_request"
 
 
-# Messages aiohttp builds around the request's own bytes with no marker to cut at: described by
-# their class instead (subclasses before their bases).
-_FIXED_DESCRIPTIONS: tuple[tuple[type[HttpProcessingError], str], ...] = (
+# What was wrong, by the kind of error, for messages that carry the request's own bytes
+# (subclasses before their bases; anything else is a "malformed HTTP request").
+_BY_KIND: tuple[tuple[type[HttpProcessingError], str], ...] = (
     (InvalidURLError, "the request target is not a valid URL"),
     (InvalidHeader, "a header field is not valid"),
     (BadHttpMethod, "the request method is not valid"),
@@ -82,12 +82,13 @@ _FIXED_DESCRIPTIONS: tuple[tuple[type[HttpProcessingError], str], ...] = (
 def _describe(exc: BaseException | None, message: str | None) -> str:
     """What was wrong with the request, in aiohttp's words, without quoting the request.
 
-    aiohttp's parser messages end with the offending line and a caret under the bad byte
-    (``Invalid header value char:\n\n  b'X-Api-Key: ...'\n  ^``): only the description before
-    them is kept. Some messages quote the request with no such marker (an invalid URL, an
-    invalid header, a bad request line, a line too long): those are described by their kind.
-    Those bytes can hold credentials and run to 8 KiB; neither the answer nor the log line
-    carries them. At most ``MESSAGE_LIMIT`` characters.
+    The request's bytes can hold credentials and run to 8 KiB; neither the answer nor the log
+    line carries them. llhttp's messages end with the offending bytes after a blank line
+    (``Invalid header value char:\n\n  b'X-Api-Key: ...'\n  ^``): the description before it
+    is kept. aiohttp's own messages quote what they refuse (``Bad status line 'GET ...'``) or,
+    for a URL or a header, are that text: those are described by their kind. A message with
+    nothing quoted is aiohttp's own words (``Received HTTPS traffic on an HTTP port``). At most
+    ``MESSAGE_LIMIT`` characters.
     """
     if isinstance(exc, LineTooLong):
         limit = exc.args[1] if len(exc.args) > 1 else "the limit"
@@ -97,15 +98,12 @@ def _describe(exc: BaseException | None, message: str | None) -> str:
     message = message or ""
     if "\n\n" in message:
         text = " ".join(message.split("\n\n", 1)[0].split()).rstrip(":")
+    elif isinstance(exc, InvalidURLError | InvalidHeader) or "'" in message or '"' in message:
+        text = next((d for kind, d in _BY_KIND if isinstance(exc, kind)), "")
     else:
-        fixed = next((d for kind, d in _FIXED_DESCRIPTIONS if isinstance(exc, kind)), None)
-        if isinstance(exc, BadStatusLine) and not ("'" in message or '"' in message):
-            fixed = None  # aiohttp's own words, no line quoted ("Received HTTPS traffic...")
-        text = fixed or " ".join(message.split())
+        text = " ".join(message.split())
     if text.startswith("Pause on PRI"):  # llhttp's words for the HTTP/2 connection preface
         return "HTTP/2 without an upgrade is not supported: send HTTP/1.1"
-    if "b'" in text or 'b"' in text:  # a quoted request we did not foresee
-        return "malformed HTTP request"
     if len(text) > MESSAGE_LIMIT:
         text = text[: MESSAGE_LIMIT - 1] + "…"
     return text or "malformed HTTP request"

@@ -108,7 +108,6 @@ from proxy.store.window_query import WindowQuery
 T = TypeVar("T")
 _log = structlog.get_logger("prefixgate.store")
 _Call = tuple[LuaScript, Sequence[str], Sequence[Any]]
-_Call1 = tuple[Sequence[str], Sequence[Any]]
 _PLAIN_NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 # What a failed Redis call can raise: redis-py's errors (the cluster client's own ones are not
 # RedisErrors: "cannot be connected", "slot not covered"), socket errors it did not translate,
@@ -465,24 +464,22 @@ class RedisStore:
         try:
             while True:
                 self._in_flight_stale.discard(replica)
-                call = (
-                    (self.fleet_key("load"), self.fleet_key("proxies")),
-                    (
-                        self.proxy_id,
-                        replica_id(replica),
-                        self._in_flight.get(replica, 0),
-                        self._in_flight_ttl_ms(),
-                    ),
-                )
-
-                async def run(c: _Call1 = call) -> None:
-                    await self._eval_each(IN_FLIGHT, [c])
-
-                await self._guarded("in_flight", self._opts.timeouts.write_s, None, run)
+                await self._write_in_flight(replica)
                 if replica not in self._in_flight_stale:
                     return
         finally:
             self._in_flight_writing.discard(replica)
+
+    async def _write_in_flight(self, replica: str) -> None:
+        """Write this proxy's current count for ``replica`` (bounded, like every call)."""
+        keys = (self.fleet_key("load"), self.fleet_key("proxies"))
+        count = self._in_flight.get(replica, 0)
+        args = (self.proxy_id, replica_id(replica), count, self._in_flight_ttl_ms())
+
+        async def run() -> None:
+            await self._eval_each(IN_FLIGHT, [(keys, args)])
+
+        await self._guarded("in_flight", self._opts.timeouts.write_s, None, run)
 
     # -- statistics -----------------------------------------------------------------------------
 
