@@ -69,6 +69,9 @@ class Scale:
     claude_stride: int = 8
     claude_words: int = 5
     max_tokens: int = 16
+    fleet_conversations: int = 3
+    fleet_turns: int = 5
+    fleet_system_words: int = 400
 
 
 QUICK = Scale(
@@ -83,6 +86,9 @@ QUICK = Scale(
     claude_stride=32,
     claude_words=3,
     max_tokens=4,
+    fleet_conversations=3,
+    fleet_turns=2,
+    fleet_system_words=60,
 )
 
 
@@ -271,10 +277,125 @@ async def claude_code(send: Send, scale: Scale) -> None:
         await send(body)
 
 
+FLEET_TOOLS: list[dict[str, Any]] = [
+    *AGENT_TOOLS,
+    {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "description": "Replace a file's text in the workspace.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string", "description": "file path"},
+                    "text": {"type": "string", "description": "the new text"},
+                },
+                "required": ["path", "text"],
+            },
+        },
+    },
+]
+FLEET_VOLATILE = ("plain", "fixed", "clock")
+
+
+def fleet_bodies(
+    scale: Scale, volatile: str = "fixed", *, conversations: int | None = None
+) -> list[dict[str, Any]]:
+    """The fleet workload's requests, in the order they are sent.
+
+    ``conversations`` agents (default ``scale.fleet_conversations``, meant to be at least 1.5x
+    the backend's slots) share one system prompt and one tool set; they are interleaved turn by
+    turn (agent 0, 1, 2, 0, 1, 2, ...), so more conversations are live than the backend has
+    slots. Every request after an agent's first ends with a tool result: its history grows by
+    one assistant tool call and one tool message a turn. The tools arrive in another order on
+    every request (as clients that build the list from a dict or a registry send them).
+
+    ``volatile``: what the system prompt carries besides the shared instructions: ``plain``
+    nothing (the workload's ceiling), ``fixed`` today's date and a per-conversation session id,
+    ``clock`` a clock to the second (changing on every request) and the session id.
+    The bodies do not depend on the answers (the agents' tool calls are scripted), so the same
+    list is sent direct and through the proxy, and the ideal is computed from it offline.
+    """
+    if volatile not in FLEET_VOLATILE:
+        raise ValueError(f"volatile must be one of {FLEET_VOLATILE}")
+    k = scale.fleet_conversations if conversations is None else conversations
+    rng = random.Random(7)
+    instructions = (
+        "You are a coding agent working in a Python repository. Use the tools to read, search, "
+        "test and edit files; answer with one tool call at a time. "
+        + prose(rng, scale.fleet_system_words)
+    )
+    tasks = [
+        f"Task {c}: the {rng.choice(WORDS)} {rng.choice(WORDS)} module fails its tests. Fix it."
+        for c in range(k)
+    ]
+    sessions = [f"{rng.getrandbits(64):016x}-{c:02d}" for c in range(k)]
+    clock = datetime(2026, 12, 1, 9, 14, 3, tzinfo=UTC)
+    histories: list[list[dict[str, Any]]] = [[] for _ in range(k)]
+    bodies = []
+    n = 0
+    for turn in range(scale.fleet_turns):
+        for c in range(k):
+            if volatile == "plain":
+                header = ""
+            elif volatile == "fixed":
+                header = f"Today's date: 2026-12-01. Session id: {sessions[c]}.\n"
+            else:
+                now = clock + timedelta(seconds=17 * n + 3 * c)
+                header = f"Current time: {now.strftime('%a %b %d %H:%M:%S UTC %Y')}. "
+                header += f"Session id: {sessions[c]}.\n"
+            tools = list(FLEET_TOOLS)
+            random.Random(f"tools:{c}:{turn}").shuffle(tools)
+            messages = [
+                {"role": "system", "content": header + instructions},
+                {"role": "user", "content": tasks[c]},
+                *histories[c],
+            ]
+            bodies.append(chat(messages, scale.max_tokens, tools=tools))
+            n += 1
+            tool = FLEET_TOOLS[(turn + c) % len(FLEET_TOOLS)]["function"]["name"]
+            call_id = f"call_{c}_{turn}"
+            args = json.dumps({"path": f"pkg/module_{c}_{turn}.py", "query": "failure"})
+            histories[c].append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": call_id,
+                            "type": "function",
+                            "function": {"name": tool, "arguments": args},
+                        }
+                    ],
+                }
+            )
+            histories[c].append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "content": prose(rng, 40),
+                }
+            )
+    return bodies
+
+
+def fleet_workload(volatile: str) -> Workload:
+    """A driver sending ``fleet_bodies(scale, volatile)`` one after another."""
+
+    async def run(send: Send, scale: Scale) -> None:
+        for body in fleet_bodies(scale, volatile):
+            await send(body)
+
+    run.__name__ = f"fleet_{volatile}"
+    return run
+
+
 WORKLOADS: dict[str, Workload] = {
     "shared_system": shared_system,
     "multi_turn": multi_turn,
     "agent_loop": agent_loop,
     "rag": rag,
     "claude_code": claude_code,
+    "fleet_fixed": fleet_workload("fixed"),
+    "fleet_clock": fleet_workload("clock"),
 }
