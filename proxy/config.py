@@ -390,6 +390,22 @@ OPTIONS: tuple[Option, ...] = (
         metavar="on|off",
     ),
     Option(
+        "server_slot_similarity",
+        float,
+        "llama.cpp: the --slot-prompt-similarity the replicas run with (their default 0.10; 0 "
+        "makes them restore conversations from their RAM cache): the cache model follows it",
+        0.1,
+        metavar="F",
+    ),
+    Option(
+        "server_kv_unified",
+        str,
+        "llama.cpp: whether the replicas run with a unified KV cache (their default without -np): "
+        "auto (learned from /slots), on, off",
+        "auto",
+        metavar="MODE",
+    ),
+    Option(
         "canonicalize",
         _bool,
         "rewrite prompts so stable segments come first (--no-canonicalize turns it off)",
@@ -538,6 +554,8 @@ def _scheduling_settings(values: Mapping[str, Any]) -> SchedulingConfig:
             coalesce=values["coalesce"],
             coalesce_max_wait_ms=values["coalesce_max_wait_ms"],
             fanout=values["fanout"],
+            server_slot_similarity=values["server_slot_similarity"],
+            server_kv_unified=values["server_kv_unified"],
         )
     except ValueError as exc:
         raise ConfigError(f"bad scheduling setting: {exc}") from exc

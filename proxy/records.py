@@ -60,6 +60,9 @@ class RequestRecord:
     prefix_anchor: str | None = None
     prefix_blocks: int = 0
     canonical_rules: list[str] = field(default_factory=list)
+    cache_source: str | None = None
+    """llama.cpp: where the replica's cache model expects the cached tokens from: ``slot``,
+    ``ram`` (its RAM prompt cache), ``none``; None where no model applies."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SLOT_MODES = ("auto", "on", "off")
+KV_UNIFIED_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,11 +36,19 @@ class SchedulingConfig:
     """How often ``GET /slots`` is read on a llama.cpp replica the proxy pins (0: never)."""
     foreign_backoff_s: float = 60.0
     """``auto``: how long pinning stays off after traffic from elsewhere was seen on a replica."""
+    server_slot_similarity: float = 0.1
+    """llama.cpp: the replicas' ``--slot-prompt-similarity`` (the cache model follows it)."""
+    server_kv_unified: str = "auto"
+    """llama.cpp: unified KV on the replicas: ``auto`` (learned from ``/slots``), on, off."""
 
     def __post_init__(self) -> None:
         if self.slot_scheduling not in SLOT_MODES:
             raise ValueError(f"slot scheduling must be one of {', '.join(SLOT_MODES)}")
         if self.coalesce_max_wait_ms < 0:
             raise ValueError("the coalescing wait must not be negative")
+        if not 0.0 <= self.server_slot_similarity <= 1.0:
+            raise ValueError("the server's slot similarity must be between 0 and 1")
+        if self.server_kv_unified not in KV_UNIFIED_MODES:
+            raise ValueError(f"server KV unified must be one of {', '.join(KV_UNIFIED_MODES)}")
         if self.min_prefix_tokens < 1:
             raise ValueError("the minimum prefix must be at least one token")

@@ -95,7 +95,7 @@ class FanOut:
                 if reason == SLOT_FANOUT:
                     filename = SNAPSHOT_FILE.format(slot=holder.id)
                     if await endpoint.restore(target.id, filename):
-                        target.content = content
+                        target.state = holder.state
                     else:  # it runs there all the same, from whatever the slot holds
                         reason, matched = SLOT_PLACE, 0.0
         finally:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from proxy.backends.llamacpp_cache import SOURCE_NONE, SOURCE_SLOT, ServerRules
 from proxy.log import get_logger
 from proxy.records import RequestRecord, monotonic
 from proxy.scheduling.coalesce import InflightPrefixes, Leader, wait_for_leader
@@ -40,6 +41,7 @@ from proxy.scheduling.fanout import FanOut
 from proxy.scheduling.rates import Rates
 from proxy.scheduling.slot_api import SlotEndpoint
 from proxy.scheduling.slots import (
+    SLOT_BUSY,
     SLOT_CLIENT,
     SLOT_FOREIGN,
     SLOT_QUEUE,
@@ -103,6 +105,10 @@ class Ticket:
     task: SlotTask | None = None
     leader: Leader | None = None
     body_changed: bool = False
+    predicted_cached: float | None = None
+    """Cached tokens the replica's cache model expects (llama.cpp slots), None: no model."""
+    cache_source: str | None = None
+    """Where the model expects them from: ``slot``, ``ram`` (its RAM prompt cache), ``none``."""
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     def first_token(self, event: Mapping[str, Any]) -> None:
@@ -204,7 +210,16 @@ class Scheduler:
         info = replica.info
         assert info is not None and info.slots
         if state.table is None or len(state.table.slots) != info.slots:
-            state.table = SlotTable(info.slots, info.ctx_per_slot)
+            rules = ServerRules(
+                similarity=self.config.server_slot_similarity,
+                unified=self.config.server_kv_unified == "on",
+            )
+            state.table = SlotTable(
+                info.slots,
+                info.ctx_per_slot,
+                rules=rules,
+                detect_unified=self.config.server_kv_unified == "auto",
+            )
         if state.endpoint is None and self._session is not None:
             state.endpoint = SlotEndpoint(self._session, replica.url, headers=self._headers)
         return state.table
@@ -243,6 +258,7 @@ class Scheduler:
                 prompt_tokens=prompt_tokens,
                 decode_tokens=output,
                 tokens_per_block=tokens_per_block,
+                fp=fp,
             )
             await self._pin(ticket, state, self._table(state, replica), req, body)
         else:
@@ -282,6 +298,7 @@ class Scheduler:
             uncached_tokens=choice.uncached_tokens,
             decode_tokens=req.decode_tokens,
             t_sent=now,
+            query=req.query(),
         )
         ticket.task = task  # from here on, the ticket's end takes it out of the table
         if self.config.fanout and choice.reason == SLOT_QUEUE and choice.slot is not None:
@@ -292,10 +309,17 @@ class Scheduler:
             if copied is not None:  # the task is placed already
                 choice = copied
         if copied is None:
-            table.place(task, choice.slot, task.t_sent)  # before any await: the next one sees it
+            # Before any await: the next request's choice sees it.
+            table.place(task, choice.slot, task.t_sent, choice.pick)
         ticket.reason = choice.reason
         ticket.slot = choice.slot
-        if choice.slot is not None and client is None:
+        if choice.reason not in (SLOT_BUSY, SLOT_FOREIGN):
+            ticket.predicted_cached = choice.matched_tokens
+            if task.pick is not None:
+                ticket.cache_source = task.pick.source
+            else:
+                ticket.cache_source = SOURCE_SLOT if choice.matched_tokens > 0 else SOURCE_NONE
+        if choice.slot is not None and choice.pinned and client is None:
             body["id_slot"] = choice.slot
             ticket.body_changed = True
 
@@ -370,6 +394,22 @@ class Scheduler:
                 record.proxy_overhead_ms = round(max(overhead, 0.0), 3)
                 if ticket.slot is not None:
                     record.extra["slot"] = ticket.slot
+            if ticket.predicted_cached is not None:
+                # The replica's cache model knows better than the prefix index what a slot or
+                # the RAM cache holds.
+                record.predicted_cached_tokens = round(ticket.predicted_cached)
+                record.cache_source = ticket.cache_source
+            if (
+                ticket.task is not None
+                and ticket.state is not None
+                and ticket.state.table is not None
+            ):
+                ticket.state.table.measured(
+                    ticket.task,
+                    prompt_tokens=record.prompt_tokens,
+                    completion_tokens=record.completion_tokens,
+                    cached_tokens=record.cached_tokens,
+                )
         if record.backend is not None and record.backend in self._states:
             self._states[record.backend].rates.observe(record)
 

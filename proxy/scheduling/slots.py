@@ -31,10 +31,25 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from proxy.fingerprint import common_blocks
+from proxy.backends.llamacpp_cache import (
+    SOURCE_RAM,
+    CachedPrompt,
+    Pick,
+    PromptQuery,
+    RamCache,
+    ServerRules,
+    Shared,
+    SlotView,
+    TokenCounter,
+    launch,
+    pick,
+    probe_of,
+    restorable,
+)
+from proxy.fingerprint import Fingerprint, common_blocks
 from proxy.scheduling.rates import Rates
 
 SLOT_HIT = "slot_hit"
@@ -45,7 +60,11 @@ SLOT_BUSY = "slot_busy"
 SLOT_CLIENT = "slot_client"
 SLOT_FOREIGN = "slot_foreign"
 SLOT_FANOUT = "slot_fanout"
+SLOT_RAM = "slot_ram"
+SLOT_SERVER = "slot_server"
 SLOT_REASONS = (
+    SLOT_RAM,
+    SLOT_SERVER,
     SLOT_HIT,
     SLOT_QUEUE,
     SLOT_PLACE,
@@ -57,6 +76,35 @@ SLOT_REASONS = (
 )
 
 FOREIGN_GRACE_S = 1.0  # a slot seen busy this soon after our request on it ended is still ours
+RETURNS = 4.0  # later turns a conversation's lost history is expected to be recomputed on
+
+
+class Continuations:
+    """How often a prompt of each application (fingerprint anchor) is continued by a next turn.
+
+    Counted from the proxy's own traffic: every state a request leaves is one seen, every
+    request continuing a state counts one for that state's application. An exponential average,
+    starting from a neutral 1/2, bounded in the applications it keeps.
+    """
+
+    def __init__(self, *, alpha: float = 0.2, max_anchors: int = 1024) -> None:
+        self._rates: dict[int, float] = {}
+        self._alpha = alpha
+        self._max = max_anchors
+
+    @staticmethod
+    def _anchor(state: CachedPrompt) -> int:
+        return state.fp.anchor if state.fp is not None else 0
+
+    def rate(self, state: CachedPrompt) -> float:
+        return self._rates.get(self._anchor(state), 0.5)
+
+    def observe(self, state: CachedPrompt, *, continued: bool) -> None:
+        key = self._anchor(state)
+        old = self._rates.get(key, 0.5)
+        self._rates[key] = old + self._alpha * ((1.0 if continued else 0.0) - old)
+        if len(self._rates) > self._max:
+            self._rates.pop(next(iter(self._rates)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +115,11 @@ class SlotRequest:
     prompt_tokens: float
     decode_tokens: float
     tokens_per_block: float
+    fp: Fingerprint | None = None
+    """The request's fingerprint (segment hashes: a conversation's next turn is recognised)."""
+
+    def query(self) -> PromptQuery:
+        return PromptQuery(self.hashes, self.prompt_tokens, self.tokens_per_block, self.fp)
 
 
 @dataclass(slots=True, eq=False)
@@ -82,6 +135,13 @@ class SlotTask:
     t_start: float | None = None
     """When the backend began it (it became the first on its slot)."""
     t_first_token: float | None = None
+    state: CachedPrompt | None = None
+    """The prompt state the request leaves in its slot (measured once its answer reports)."""
+    query: PromptQuery | None = None
+    pick: Pick | None = None
+    """What the server was expected to do with it when it started (the cache model's view)."""
+    shared: Shared | None = None
+    """How its cached tokens were expected to come about (for learning from the answer)."""
 
 
 @dataclass(slots=True)
@@ -89,8 +149,8 @@ class Slot:
     """One slot: what it holds, what is queued on it."""
 
     id: int
-    content: tuple[int, ...] = ()
-    """Block hashes of the prompt the slot last held (empty: nothing known)."""
+    state: CachedPrompt | None = None
+    """The prompt state the slot holds (None: empty, or nothing known)."""
     tasks: list[SlotTask] = field(default_factory=list)
     last_used: float = 0.0
     last_end: float = -1e9
@@ -100,9 +160,20 @@ class Slot:
     touched: bool = False
     """This proxy sent a request to it, or one of its requests there ended, since the last look."""
 
+    @property
+    def content(self) -> tuple[int, ...]:
+        """Block hashes of the prompt the slot holds (empty: nothing known)."""
+        return self.state.hashes if self.state is not None else ()
+
     def holds_after_queue(self) -> tuple[int, ...]:
         """The prompt the slot will hold once everything queued on it has run."""
         return self.tasks[-1].hashes if self.tasks else self.content
+
+    def state_after_queue(self) -> CachedPrompt | None:
+        """The state the slot will hold once everything queued on it has run."""
+        if self.tasks:
+            return self.tasks[-1].state
+        return self.state
 
     def idle(self, now: float) -> bool:
         return not self.tasks and self.foreign_until <= now
@@ -118,6 +189,10 @@ class SlotChoice:
     uncached_tokens: float
     expected_end_s: float
     """Expected seconds from now until the request ends."""
+    pinned: bool = True
+    """False: ``slot`` is where the server is expected to put it unpinned (``slot_server``)."""
+    pick: Pick | None = None
+    """The cache model's expectation for an idle slot (what a launch there does)."""
 
 
 def _remaining(task: SlotTask, now: float, rates: Rates, sharers: int) -> tuple[float, float]:
@@ -172,12 +247,35 @@ class Prefills:
 class SlotTable:
     """One replica's slots as this proxy knows them."""
 
-    def __init__(self, n_slots: int, ctx_per_slot: int | None = None) -> None:
+    def __init__(
+        self,
+        n_slots: int,
+        ctx_per_slot: int | None = None,
+        *,
+        rules: ServerRules | None = None,
+        detect_unified: bool = True,
+    ) -> None:
         self.slots = [Slot(id=i) for i in range(n_slots)]
         self.ctx_per_slot = ctx_per_slot
         self.unplaced: list[SlotTask] = []
         """Requests sent unpinned that have not been seen on a slot yet."""
         self._unplaced_since_poll = 0
+        self.rules = rules or ServerRules()
+        self.ram = RamCache(self.rules)
+        """The server's RAM prompt cache as the model has it (``llamacpp_cache``)."""
+        self.counter = TokenCounter()
+        self.continuations = Continuations()
+        self.detect_unified = detect_unified
+        """Whether ``/slots`` showing idle slots emptied may switch the model to unified KV."""
+
+    def set_rules(self, rules: ServerRules) -> None:
+        """Correct what the model believes of the server's flags."""
+        self.rules = rules
+        self.ram.rules = rules
+        self.ram.trim()
+
+    def _views(self, now: float) -> list[SlotView]:
+        return [SlotView(s.state, not s.idle(now), s.last_used) for s in self.slots]
 
     # -- estimates -----------------------------------------------------------------------------
 
@@ -221,13 +319,15 @@ class SlotTable:
             prefilling = self._prefilling(now, rates)
         return min((self.free_at(s, now, rates, prefilling) for s in self.slots), default=now)
 
-    def matched_tokens(self, req: SlotRequest, content: Sequence[int]) -> float:
-        """Prompt tokens of ``req`` a slot holding ``content`` would serve from its cache."""
+    def matched_tokens(
+        self, req: SlotRequest, content: Sequence[int], state: CachedPrompt | None = None
+    ) -> float:
+        """Prompt tokens of ``req`` a slot holding ``content`` (or ``state``) would serve."""
+        if state is not None:
+            return self._capped(self.counter.cached(state, req.query()))
         tokens = common_blocks(req.hashes, content) * req.tokens_per_block
         tokens = min(tokens, max(req.prompt_tokens - 1.0, 0.0))  # one token is always evaluated
-        if self.ctx_per_slot:
-            tokens = min(tokens, float(self.ctx_per_slot))
-        return tokens
+        return self._capped(tokens)
 
     # -- the decision --------------------------------------------------------------------------
 
@@ -236,7 +336,12 @@ class SlotTable:
     ) -> SlotChoice:
         """The slot ``req`` is expected to end soonest on (see the module docstring).
 
-        ``useful_tokens``: a match shorter than this is not called a hit in the reason.
+        On an idle slot the tokens a request reuses are what the server's cache model says a
+        launch there gives (its slot, or a prompt restored from its RAM cache, or nothing:
+        ``llamacpp_cache.pick``), and the slot's current content counts as a cost when it is
+        lost for good (``eviction_s``). Leaving the choice to the server is a candidate too,
+        taken only when it reuses strictly more (with similarity off, only its own LRU path
+        restores from RAM). ``useful_tokens``: a match shorter than this is not called a hit.
         """
         p, t = rates.prefill_s, rates.tpot_s
         prefilling = self._prefilling(now, rates)
@@ -244,45 +349,70 @@ class SlotTable:
         best: tuple[tuple[float, ...], SlotChoice] | None = None
         holder_seen = False
         any_idle = False
+        views = self._views(now)
+        query = req.query()
         # What placing on an idle slot costs depends only on the tokens it leaves to prefill,
         # which few slots differ in: computed once per distinct value, not once per slot.
         idle_costs: dict[float, tuple[float, float]] = {}
+
+        def idle_cost(uncached: float) -> tuple[float, float]:
+            known = idle_costs.get(uncached)
+            if known is None:
+                shared, imposed = prefilling.shared(uncached), prefilling.imposed(uncached)
+                known = idle_costs[uncached] = (shared, imposed * p)
+            return known
+
         for slot in self.slots:
-            matched = self.matched_tokens(req, slot.holds_after_queue())
-            uncached = req.prompt_tokens - matched
             if slot.idle(now):
                 any_idle = True
-                known = idle_costs.get(uncached)
-                if known is None:
-                    shared, imposed = prefilling.shared(uncached), prefilling.imposed(uncached)
-                    known = idle_costs[uncached] = (shared, imposed * p)
-                end = now + (known[0] + uncached) * p + decode_s
-                cost = end + known[1]
-                reason = SLOT_HIT if matched >= useful_tokens else SLOT_PLACE
-            elif matched >= useful_tokens:
+                outcome = pick(
+                    views, self.ram, query, self.counter, pinned=slot.id, rules=self.rules
+                )
+                matched = self._capped(outcome.cached_tokens)
+                uncached = req.prompt_tokens - matched
+                shared_s, imposed_s = idle_cost(uncached)
+                end = now + (shared_s + uncached) * p + decode_s
+                cost = end + imposed_s + self.eviction_s(slot, outcome, query, now, rates)
+                if matched < useful_tokens:
+                    reason = SLOT_PLACE
+                else:
+                    reason = SLOT_RAM if outcome.source == SOURCE_RAM else SLOT_HIT
+                choice = SlotChoice(slot.id, reason, matched, uncached, end - now, pick=outcome)
+            else:
+                matched = self.matched_tokens(
+                    req, slot.holds_after_queue(), slot.state_after_queue()
+                )
+                if matched < useful_tokens:
+                    continue  # waiting is worth it only for a prefix; the server places the rest
                 holder_seen = True
+                uncached = req.prompt_tokens - matched
                 end = self.free_at(slot, now, rates, prefilling) + uncached * p + decode_s
                 cost = end
-                reason = SLOT_QUEUE
-            else:
-                continue  # waiting is worth it only for a prefix; the server places the rest
+                choice = SlotChoice(slot.id, SLOT_QUEUE, matched, uncached, end - now)
             key = (cost, -matched, 1.0 if slot.content else 0.0, slot.last_used, float(slot.id))
-            choice = SlotChoice(slot.id, reason, matched, uncached, end - now)
             if best is None or key < best[0]:
                 best = (key, choice)
+        if any_idle and best is not None:
+            server = pick(views, self.ram, query, self.counter, pinned=None, rules=self.rules)
+            if server.slot is not None:
+                slot = self.slots[server.slot]
+                matched = self._capped(server.cached_tokens)
+                uncached = req.prompt_tokens - matched
+                shared_s, imposed_s = idle_cost(uncached)
+                end = now + (shared_s + uncached) * p + decode_s
+                cost = end + imposed_s + self.eviction_s(slot, server, query, now, rates)
+                if cost < best[0][0] or self._leave_to_server(best[1], query):
+                    choice = SlotChoice(
+                        slot.id, SLOT_SERVER, matched, uncached, end - now, False, server
+                    )
+                    best = ((cost,), choice)
         if best is None:  # every slot busy, none holding the prefix: the server picks
             unpinned_end = self._first_free(now, rates, prefilling) + req.prompt_tokens * p
             unpinned_end += decode_s
             return SlotChoice(None, SLOT_BUSY, 0.0, req.prompt_tokens, unpinned_end - now)
         choice = best[1]
         if choice.reason == SLOT_PLACE and holder_seen:
-            choice = SlotChoice(
-                choice.slot,
-                SLOT_PARALLEL,
-                choice.matched_tokens,
-                choice.uncached_tokens,
-                choice.expected_end_s,
-            )
+            choice = replace(choice, reason=SLOT_PARALLEL)
         if choice.reason == SLOT_QUEUE and not any_idle:
             # Every slot is busy. Waiting for a particular one must beat taking the first to free.
             unpinned_end = self._first_free(now, rates, prefilling) + req.prompt_tokens * p
@@ -291,21 +421,117 @@ class SlotTable:
                 return SlotChoice(None, SLOT_BUSY, 0.0, req.prompt_tokens, unpinned_end - now)
         return choice
 
-    # -- bookkeeping ---------------------------------------------------------------------------
+    def _leave_to_server(self, best: SlotChoice, query: PromptQuery) -> bool:
+        """Whether the server's own choice is to be taken over pinning ``best`` at equal cost.
 
-    def place(self, task: SlotTask, slot_id: int | None, now: float) -> None:
-        """Record that ``task`` was sent to ``slot_id`` (None: unpinned)."""
+        With similarity off the server's LRU path saves the slot it takes and restores the best
+        cached prompt, so no conversation is ever lost, whereas a pinned request never consults
+        the RAM cache there: pinning is kept for what only a pin does, queueing behind a busy
+        slot holding the prefix and the next turn of the very state an idle slot holds.
+        """
+        if self.rules.similarity != 0.0 or best.reason == SLOT_QUEUE or best.slot is None:
+            return False
+        held = self.slots[best.slot].state
+        return held is None or not self.counter.shared(held, query).continues
+
+    def _capped(self, tokens: float) -> float:
+        if self.ctx_per_slot:
+            return min(tokens, float(self.ctx_per_slot))
+        return tokens
+
+    def eviction_s(
+        self, slot: Slot, outcome: Pick, query: PromptQuery, now: float, rates: Rates
+    ) -> float:
+        """What losing ``slot``'s content to ``query`` is expected to cost later, in seconds.
+
+        The tokens of its content the new request does not share are lost for good unless the
+        server can restore them from its RAM cache (``restorable``). They are weighed by how
+        likely a prompt of its application is to be continued (``Continuations``: a chat or an
+        agent loop comes back turn after turn, a one-shot question never), by how soon its
+        conversation is due (at its own pace: due now 1, a whole gap away 1/2), and by the
+        turns a lost history is recomputed on (``RETURNS``): spreading conversations over the
+        slots costs one prefill of their shared prefix, once, where herding them onto one slot
+        recomputes each history on every turn.
+        """
+        held = slot.state
+        if held is None or (outcome.loaded is None and self.counter.shared(held, query).continues):
+            return 0.0  # nothing there, or the request extends what is there
+        incoming = CachedPrompt(hashes=query.hashes, prompt_tokens=query.prompt_tokens, fp=query.fp)
+        kept = self.counter.cached(incoming, probe_of(held))
+        lost = max(held.tokens - kept, 0.0)
+        if lost <= 0.0:
+            return 0.0
+        if restorable(
+            held, incoming, self.ram, self.counter, rules=self.rules, saved_now=outcome.update
+        ):
+            return 0.0
+        likely = self.continuations.rate(held)
+        if held.gap_s is not None and held.gap_s > 0.0:
+            wait = max(held.t_used + held.gap_s - now, 0.0)
+            likely /= 1.0 + wait / held.gap_s
+        return lost * likely * RETURNS * rates.prefill_s
+
+    def place(
+        self, task: SlotTask, slot_id: int | None, now: float, outcome: Pick | None = None
+    ) -> None:
+        """Record that ``task`` was sent to ``slot_id`` (None: unpinned, slot unknown).
+
+        ``outcome``: the cache model's ``pick`` for an idle ``slot_id`` (``SlotChoice.pick``),
+        reused for the launch; one is computed when it is missing or stale.
+        """
+        if task.state is None:
+            fp = task.query.fp if task.query is not None else None
+            task.state = CachedPrompt(
+                hashes=task.hashes, prompt_tokens=task.prompt_tokens, fp=fp, t_used=now
+            )
         if slot_id is None or not self.slots:
             self.unplaced.append(task)
             self._unplaced_since_poll += 1
             return
         slot = self.slots[slot_id % len(self.slots)]
         task.slot = slot.id
+        if not slot.tasks:
+            self._start(slot, task, now, outcome)
         slot.tasks.append(task)
         slot.touched = True
         slot.last_used = now
-        if len(slot.tasks) == 1:
-            task.t_start = now
+
+    def _query(self, task: SlotTask) -> PromptQuery:
+        if task.query is not None:
+            return task.query
+        per_block = task.prompt_tokens / max(len(task.hashes), 1)
+        return PromptQuery(task.hashes, task.prompt_tokens, per_block)
+
+    def _start(self, slot: Slot, task: SlotTask, now: float, outcome: Pick | None = None) -> None:
+        """``task`` begins on the idle ``slot``: apply what the server does at a launch."""
+        task.t_start = now
+        views = self._views(now)
+        views[slot.id].busy = False
+        query = self._query(task)
+        if outcome is None or outcome.slot != slot.id:
+            outcome = pick(views, self.ram, query, self.counter, pinned=slot.id, rules=self.rules)
+        held = launch(views, self.ram, outcome, rules=self.rules)
+        for view, other in zip(views, self.slots, strict=True):
+            if other is not slot:
+                other.state = view.state
+        slot.state = held
+        task.pick = outcome
+        if outcome.matched is not None:
+            task.shared = self.counter.shared(outcome.matched, query)
+            if task.shared.continues and task.state is not None:
+                task.state.gap_s = max(task.t_sent - outcome.matched.t_used, 0.0)
+        # Which earlier state does this request continue, wherever it is: an application whose
+        # prompts come back turn after turn is worth keeping apart on the slots.
+        for other in (*(s.state for s in self.slots), *self.ram.entries):
+            if (
+                other is not None
+                and other is not task.state
+                and self.counter.shared(other, query).continues
+            ):
+                if not other.continued:
+                    other.continued = True
+                    self.continuations.observe(other, continued=True)
+                break
 
     def first_token(self, task: SlotTask, now: float, reported_slot: int | None = None) -> None:
         """The backend answered ``task``'s first token (and said which slot, if it did)."""
@@ -331,20 +557,22 @@ class SlotTable:
         if task not in slot.tasks:
             return
         started = was_head or task.t_first_token is not None
-        self._detach(task, now)
         if started:
-            if ok or task.t_first_token is not None:
-                slot.content = task.hashes
+            if (ok or task.t_first_token is not None) and task.state is not None:
+                task.state.t_used = now
+                slot.state = task.state
+                self.continuations.observe(task.state, continued=False)
             else:
-                slot.content = ()  # stopped mid-prefill: what the slot holds is not known
+                slot.state = None  # stopped mid-prefill: what the slot holds is not known
             slot.last_used = now
             slot.last_end = now
+        self._detach(task, now)
         slot.touched = True
         if not slot.tasks and self.unplaced:
             # The server hands a freed slot to a request that was waiting for any slot.
             waiting = self.unplaced.pop(0)
             waiting.slot = slot.id
-            waiting.t_start = now
+            self._start(slot, waiting, now)
             slot.tasks.append(waiting)
 
     def _detach(self, task: SlotTask, now: float) -> None:
@@ -357,7 +585,34 @@ class SlotTable:
         if task in slot.tasks:
             slot.tasks.remove(task)
         if was_head and slot.tasks and slot.tasks[0].t_start is None:
-            slot.tasks[0].t_start = now
+            nxt = slot.tasks.pop(0)
+            self._start(slot, nxt, now)
+            slot.tasks.insert(0, nxt)
+
+    def measured(
+        self,
+        task: SlotTask,
+        *,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+        cached_tokens: int | None,
+    ) -> None:
+        """The backend's figures for ``task``: the state it left is measured, and the model
+        learns where its matches end, how much of an answer a next turn repeats, and that its
+        RAM cache is smaller than believed when a predicted restore did not happen."""
+        if task.state is not None:
+            task.state.measure(prompt_tokens, completion_tokens)
+        outcome = task.pick
+        if outcome is None or cached_tokens is None or not prompt_tokens:
+            return
+        if task.shared is not None and outcome.matched is not None:
+            self.counter.learn(task.shared, outcome.matched, float(cached_tokens), prompt_tokens)
+        predicted = outcome.cached_tokens
+        if outcome.source == SOURCE_RAM and cached_tokens < 0.5 * predicted:
+            # The restored entry was gone: the cache holds less than the model thought.
+            limit = max(self.ram.tokens() * 0.8, 1.0)
+            if limit < self.rules.ram_tokens:
+                self.set_rules(replace(self.rules, ram_tokens=limit))
 
     def reconcile(
         self, observed: Iterable[Mapping[str, Any]], now: float, *, hold_s: float
@@ -393,9 +648,20 @@ class SlotTable:
                 and not ours_now
                 and self._unplaced_since_poll == 0
             )
+            if (
+                not busy
+                and not slot.tasks
+                and slot.state is not None
+                and entry.get("n_prompt_tokens") == 0
+            ):
+                # Idle and empty though it held a prompt: the server clears idle slots when a
+                # task starts (unified KV). Pinning onto such a slot skips the RAM cache.
+                slot.state = None
+                if self.detect_unified and not self.rules.unified:
+                    self.set_rules(replace(self.rules, unified=True))
             if (busy and not ours_now) or ran_other:
                 foreign = True
-                slot.content = ()
+                slot.state = None
                 if busy:
                     slot.foreign_until = now + hold_s
             slot.last_id_task = id_task

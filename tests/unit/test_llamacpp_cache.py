@@ -1,0 +1,231 @@
+"""The model of llama-server's slots and RAM prompt cache, against the server's own rules."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from proxy.backends.llamacpp_cache import (
+    SOURCE_NONE,
+    SOURCE_RAM,
+    SOURCE_SLOT,
+    CachedPrompt,
+    PromptQuery,
+    RamCache,
+    ServerRules,
+    SlotView,
+    TokenCounter,
+    launch,
+    pick,
+    restorable,
+)
+from proxy.fingerprint import fingerprint
+from proxy.scheduling import Rates, SlotRequest, SlotTable, SlotTask
+
+TPB = 64.0
+CPU = Rates(prefill_ms_per_token=6.0, tpot_ms=20.0)
+
+
+def chain(prefix: int, n: int, tail: int = 0, tail_blocks: int = 0) -> tuple[int, ...]:
+    return tuple(prefix * 1000 + i for i in range(n)) + tuple(
+        tail * 1_000_000 + i for i in range(tail_blocks)
+    )
+
+
+def state(hashes: tuple[int, ...], t: float = 0.0) -> CachedPrompt:
+    return CachedPrompt(hashes=hashes, prompt_tokens=len(hashes) * TPB, t_used=t)
+
+
+def query(hashes: tuple[int, ...]) -> PromptQuery:
+    return PromptQuery(hashes, len(hashes) * TPB + 10, TPB)
+
+
+def test_pinned_onto_an_empty_slot_never_looks_in_the_ram_cache() -> None:
+    """f_keep of an empty slot is 0/0: the server skips its RAM cache (BACKENDS.md §1.11)."""
+    rules = ServerRules()
+    ram = RamCache(rules)
+    ram.save(state(chain(1, 10)))
+    slots = [SlotView(None, False, 0.0), SlotView(state(chain(2, 10)), False, 1.0)]
+    got = pick(slots, ram, query(chain(1, 12)), TokenCounter(), pinned=0, rules=rules)
+    assert (got.slot, got.update, got.cached_tokens, got.source) == (0, False, 0.0, SOURCE_NONE)
+
+
+def test_unpinned_takes_the_lru_path_and_restores_when_no_slot_is_similar() -> None:
+    """Nothing above the similarity threshold: LRU slot, saved, best RAM prompt loaded."""
+    rules = ServerRules()
+    ram = RamCache(rules)
+    conv = state(chain(1, 10))
+    ram.save(conv)
+    slots = [SlotView(state(chain(2, 10)), False, 5.0), SlotView(state(chain(3, 10)), False, 1.0)]
+    got = pick(slots, ram, query(chain(1, 12)), TokenCounter(), pinned=None, rules=rules)
+    assert got.slot == 1 and got.update and got.loaded is conv
+    assert got.source == SOURCE_RAM and got.cached_tokens == 10 * TPB
+
+
+def test_a_slot_keeping_half_its_tokens_is_overwritten_without_a_restore() -> None:
+    """Shared system prompt, short histories: f_keep >= 0.5, so the history is recomputed."""
+    rules = ServerRules()
+    ram = RamCache(rules)
+    own = state(chain(1, 8, tail=7, tail_blocks=2))  # this conversation's history, in RAM
+    ram.save(own)
+    other = state(chain(1, 8, tail=8, tail_blocks=2))  # another conversation on the slot
+    slots = [SlotView(other, False, 1.0)]
+    q = query(chain(1, 8, tail=7, tail_blocks=3))
+    got = pick(slots, ram, q, TokenCounter(), pinned=None, rules=rules)
+    assert got.slot == 0 and not got.update and got.source == SOURCE_SLOT
+    assert got.cached_tokens == 8 * TPB  # the shared prefix only
+    # With similarity off the LRU path saves the slot and restores the conversation.
+    off = replace(rules, similarity=0.0)
+    got = pick(slots, ram, q, TokenCounter(), pinned=None, rules=off)
+    assert got.update and got.loaded is own and got.cached_tokens == 10 * TPB
+    # ...but a pinned request never updates with similarity off.
+    got = pick(slots, ram, q, TokenCounter(), pinned=0, rules=off)
+    assert not got.update and got.cached_tokens == 8 * TPB
+
+
+def test_a_slot_losing_most_of_its_tokens_is_saved_and_the_best_prompt_loaded() -> None:
+    """f_keep < 0.5 on the similarity path: save the slot, load the better cached prompt."""
+    rules = ServerRules()
+    ram = RamCache(rules)
+    own = state(chain(1, 2, tail=7, tail_blocks=8))
+    ram.save(own)
+    other = state(chain(1, 2, tail=8, tail_blocks=8))
+    slots = [SlotView(other, False, 1.0)]
+    got = pick(
+        slots, ram, query(chain(1, 2, tail=7, tail_blocks=9)), TokenCounter(), pinned=0, rules=rules
+    )
+    assert got.update and got.loaded is own and got.source == SOURCE_RAM
+
+
+def test_ram_entries_kept_below_a_quarter_are_not_taken() -> None:
+    """server_prompt_cache::load skips entries the prompt would keep less than 25 % of."""
+    rules = ServerRules(similarity=0.0)
+    ram = RamCache(rules)
+    ram.save(state(chain(1, 2, tail=9, tail_blocks=20)))  # shares 2 of 22 blocks
+    slots = [SlotView(None, False, 0.0)]
+    got = pick(
+        slots,
+        ram,
+        query(chain(1, 2, tail=5, tail_blocks=2)),
+        TokenCounter(),
+        pinned=None,
+        rules=rules,
+    )
+    assert got.update and got.loaded is None and got.cached_tokens == 0.0
+
+
+def test_launch_saves_idle_slots_and_clears_them_under_unified_kv() -> None:
+    """--cache-idle-slots: idle slots go to the RAM cache at every launch; unified KV clears."""
+    rules = ServerRules(unified=True)
+    ram = RamCache(rules)
+    idle = state(chain(2, 5))
+    slots = [SlotView(None, False, 0.0), SlotView(idle, False, 1.0)]
+    got = pick(slots, ram, query(chain(3, 4)), TokenCounter(), pinned=0, rules=rules)
+    launch(slots, ram, got, rules=rules)
+    assert ram.entries == [idle] and slots[1].state is None
+
+
+def test_ram_save_drops_what_the_new_state_holds_and_skips_what_is_held() -> None:
+    """alloc: an entry contained in the new state goes; a state already contained is skipped."""
+    ram = RamCache(ServerRules())
+    short, long = state(chain(1, 4)), state(chain(1, 8))
+    ram.save(short)
+    ram.save(long)
+    assert ram.entries == [long]
+    ram.save(state(chain(1, 6)))
+    assert ram.entries == [long]
+
+
+def test_a_full_slot_stays_restorable_with_similarity_off_only() -> None:
+    """A conversation overwritten by one sharing most of it cannot come back from RAM while
+    similarity is on (f_keep >= 0.5); with it off the LRU path always looks there."""
+    conv = state(chain(1, 8, tail=7, tail_blocks=2))
+    other = state(chain(1, 8, tail=8, tail_blocks=2))
+    counter = TokenCounter()
+    assert not restorable(conv, other, RamCache(ServerRules()), counter, rules=ServerRules())
+    off = ServerRules(similarity=0.0)
+    ram = RamCache(off)
+    assert not restorable(conv, other, ram, counter, rules=off)  # never saved: lost
+    ram.save(conv)
+    assert restorable(conv, other, ram, counter, rules=off)
+
+
+def test_next_turn_shares_the_measured_prompt_and_the_repeated_answer() -> None:
+    """A request continuing a state shares its measured prompt tokens plus the answer."""
+    first = {"model": "m", "messages": [{"role": "user", "content": "hello " * 200}]}
+    fp1 = fingerprint("/v1/chat/completions", first, block_bytes=256)
+    second = {
+        "model": "m",
+        "messages": [
+            *first["messages"],
+            {"role": "assistant", "content": "hi"},
+            {"role": "user", "content": "more"},
+        ],
+    }
+    fp2 = fingerprint("/v1/chat/completions", second, block_bytes=256)
+    held = CachedPrompt(hashes=fp1.block_hashes, prompt_tokens=300.0, fp=fp1)
+    held.measure(211, 9)
+    counter = TokenCounter()
+    q = PromptQuery(fp2.block_hashes, 240.0, TPB, fp2)
+    shared = counter.shared(held, q)
+    assert shared.continues and shared.tokens == 211 + 8
+    counter.learn(shared, held, measured=213.0, prompt=240.0)  # the answer was not repeated
+    assert counter.answer_reuse < 1.0
+
+
+def test_a_match_ending_at_a_boundary_learns_its_token_count() -> None:
+    """The first measured cached count at a boundary replaces the byte estimate there."""
+    counter = TokenCounter()
+    held = state(chain(1, 8, tail=8, tail_blocks=2))
+    q = query(chain(1, 8, tail=7, tail_blocks=3))
+    shared = counter.shared(held, q)
+    assert shared.tokens == 8 * TPB and shared.key is not None
+    counter.learn(shared, held, measured=497.0, prompt=q.prompt_tokens)
+    assert counter.shared(held, q).tokens == 497.0
+
+
+def _send(table: SlotTable, hashes: tuple[int, ...], now: float) -> tuple[str, int | None, bool]:
+    req = SlotRequest(
+        hashes=hashes,
+        prompt_tokens=len(hashes) * TPB + 10,
+        decode_tokens=16.0,
+        tokens_per_block=TPB,
+    )
+    choice = table.choose(req, CPU, now, useful_tokens=256)
+    task = SlotTask(
+        hashes=req.hashes,
+        prompt_tokens=req.prompt_tokens,
+        uncached_tokens=choice.uncached_tokens,
+        decode_tokens=16.0,
+        t_sent=now,
+        query=req.query(),
+    )
+    table.place(task, choice.slot, now, choice.pick)
+    table.end(task, now + 1.0, ok=True)
+    return choice.reason, choice.slot, choice.pinned
+
+
+def test_more_conversations_than_slots_are_swapped_through_the_ram_cache() -> None:
+    """Three conversations on two slots with similarity off: after the first round every turn
+    is left to the server's LRU path, which restores that conversation's history."""
+    table = SlotTable(2, 4096, rules=ServerRules(similarity=0.0))
+    histories = [1, 2, 3]
+    now = 0.0
+    reasons = []
+    for turn in range(3):
+        for c in histories:
+            now += 2.0
+            reasons.append(_send(table, chain(9, 8, tail=c, tail_blocks=turn + 2), now))
+    later = reasons[3:]
+    assert all(r == ("slot_server", r[1], False) for r in later), later
+
+
+def test_with_similarity_on_conversations_are_not_herded_onto_one_slot() -> None:
+    """Similarity on, shared system prompt: the second conversation takes the other slot
+    rather than overwriting the first one's history (the slot that holds it is not free)."""
+    table = SlotTable(2, 4096)
+    now = 0.0
+    slots = []
+    for c in (1, 2):
+        now += 2.0
+        slots.append(_send(table, chain(9, 8, tail=c, tail_blocks=6), now)[1])
+    assert slots[0] != slots[1]
