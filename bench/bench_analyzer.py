@@ -1,7 +1,7 @@
 """Analyzer throughput: records per second for reading + the unbounded replay, and a full run.
 
 Run: ``python bench/bench_analyzer.py [--records N]``. Measures, on the public traces under
-``../shared/workloads`` and on a generated prefixgate log of N request records (segment tables
+``tests/data/traces`` and on a generated prefixgate log of N request records (segment tables
 made by the real fingerprint, no bodies):
 
 - read + ideal: parsing every line and replaying it through the unbounded cache (best of
@@ -30,7 +30,7 @@ from analyzers.ideal import replay_unbounded
 from analyzers.readers import read_paths
 from proxy.fingerprint import fingerprint, hex64
 
-WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
+TRACES = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces"  # xz, as published
 SYSTEM = "You are a helpful assistant for the order desk. " * 60
 
 
@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         log = Path(tmp) / "records.jsonl"
         write_records(log, args.records)
         inputs = {
-            "mooncake conversation": [WORKLOADS / "mooncake" / "conversation_trace.jsonl"],
-            "mooncake synthetic": [WORKLOADS / "mooncake" / "synthetic_trace.jsonl"],
-            "claude-code (60 files)": sorted((WORKLOADS / "claude-code").glob("*.json")),
+            "mooncake conversation": [TRACES / "mooncake" / "conversation_trace.jsonl.xz"],
+            "mooncake synthetic": [TRACES / "mooncake" / "synthetic_trace.jsonl.xz"],
+            "claude-code (60 files)": sorted((TRACES / "claude-code").glob("*.json.xz")),
             f"prefixgate log ({args.records:,} records)": [log],
         }
         for name, paths in inputs.items():

@@ -4,7 +4,7 @@ Run: ``python bench/bench_routing.py [--replicas 4 16] [--skip-lookup] [--redis-
 
 1. **Fleet simulation** (``analyzers.simulate``, the proxy's own ``Router``): the Mooncake
    conversation and synthetic traces and the 60 Claude Code sessions under
-   ``../shared/workloads``, for each fleet size, with round-robin, least-loaded, prefix-affinity
+   ``tests/data/traces``, for each fleet size, with round-robin, least-loaded, prefix-affinity
    and the pooled bound (one LRU of the whole capacity). Capacities are the fleet's total, split
    evenly: 20,000 blocks of 512 tokens for the conversation trace (its footprint is ~183,000),
    10,000 for synthetic (~44,000) and 5,000 for Claude Code (~20,000), so that every trace is
@@ -39,18 +39,18 @@ from proxy.fingerprint import fingerprint
 from proxy.routing import POLICIES
 from proxy.store import EmbeddedStore, PrefixStore, RedisStore, StoreOptions, StoreTimeouts
 
-WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
+TRACES = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces"  # xz, as published
 BLOCK_TOKENS = 512
 ROUTE = "/v1/chat/completions"
 
 
 def traces() -> list[tuple[str, list[Path], int]]:
     """(name, files, fleet capacity in 512-token blocks) per trace."""
-    mooncake = WORKLOADS / "mooncake"
+    mooncake = TRACES / "mooncake"
     return [
-        ("Mooncake conversation", [mooncake / "conversation_trace.jsonl"], 20_000),
-        ("Mooncake synthetic", [mooncake / "synthetic_trace.jsonl"], 10_000),
-        ("Claude Code (60 sessions)", sorted((WORKLOADS / "claude-code").glob("*.json")), 5_000),
+        ("Mooncake conversation", [mooncake / "conversation_trace.jsonl.xz"], 20_000),
+        ("Mooncake synthetic", [mooncake / "synthetic_trace.jsonl.xz"], 10_000),
+        ("Claude Code (60 sessions)", sorted((TRACES / "claude-code").glob("*.json.xz")), 5_000),
     ]
 
 
