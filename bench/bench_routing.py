@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from analyzers.simulate import POOLED, FleetResult, output_tokens, run_policies
 from proxy.fingerprint import fingerprint
 from proxy.routing import POLICIES
 from proxy.store import EmbeddedStore, PrefixStore, RedisStore, StoreOptions, StoreTimeouts
+from tests.ports import free_port
 
 TRACES = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces"  # xz, as published
 BLOCK_TOKENS = 512
@@ -150,13 +150,6 @@ async def lookup_table(redis_url: str, repeat: int) -> list[str]:
         for store in stores.values():
             await store.aclose()
     return lines
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def run_lookup(redis_url: str | None, repeat: int) -> list[str]:

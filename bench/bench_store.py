@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from proxy.store import (
     StoreTimeouts,
 )
 from proxy.store.redis_scripts import pack_chain
+from tests.ports import free_port
 from tests.store.cluster_process import RedisClusterServer
 
 SIZES = (8 << 10, 128 << 10, 512 << 10)
@@ -68,13 +68,6 @@ def chat_body(size: int) -> dict[str, Any]:
         total += len(text)
         turn += 1
     return {"model": "bench-model", "messages": messages}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def row(times: list[float], *, lookup: bool) -> tuple[str, str, str]:
