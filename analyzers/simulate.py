@@ -42,9 +42,9 @@ import orjson
 import xxhash
 
 from analyzers.capacity import simulate_lru
-from analyzers.ideal import leading_run
 from analyzers.readers import KVCACHE, MOONCAKE, input_files, open_input, read_input, read_paths
 from analyzers.trace import PrefixKey, Trace, TraceRequest
+from proxy.fingerprint import leading_run
 from proxy.routing import (
     POLICIES,
     Candidate,
