@@ -42,6 +42,7 @@ import orjson
 import xxhash
 
 from analyzers.capacity import simulate_lru
+from analyzers.quantile import percentile
 from analyzers.readers import KVCACHE, MOONCAKE, input_files, open_input, read_input, read_paths
 from analyzers.trace import PrefixKey, Trace, TraceRequest
 from proxy.fingerprint import leading_run
@@ -184,13 +185,6 @@ def _int_chain(keys: Sequence[PrefixKey]) -> list[int]:
     return out
 
 
-def _percentile(sorted_values: Sequence[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    index = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
-    return sorted_values[index]
-
-
 def simulate_fleet(
     requests: Sequence[TraceRequest],
     *,
@@ -257,8 +251,8 @@ def simulate_fleet(
         prompt_tokens=round(prompt_total),
         per_replica=per_replica,
         reasons=dict(sorted(reasons.items())),
-        ttft_p50_s=_percentile(ttfts, 0.5),
-        ttft_p99_s=_percentile(ttfts, 0.99),
+        ttft_p50_s=percentile(ttfts, 0.5),
+        ttft_p99_s=percentile(ttfts, 0.99),
         max_in_flight=max_in_flight,
     )
 

@@ -32,6 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from analyzers.quantile import percentile
 from analyzers.readers import read_paths
 from analyzers.simulate import POOLED, FleetResult, output_tokens, run_policies
 from proxy.fingerprint import fingerprint
@@ -108,7 +109,7 @@ async def timed(call: Callable[[], Awaitable[Any]], repeat: int) -> str:
         await call()
         times.append((time.perf_counter() - t0) * 1e6)
     times.sort()
-    p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
+    p99 = percentile(times, 0.99) or 0.0
     return f"{statistics.median(times):,.0f} / {p99:,.0f}"
 
 

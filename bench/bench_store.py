@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console
 from rich.table import Table
 
+from analyzers.quantile import percentile
 from proxy.fingerprint import fingerprint
 from proxy.store import (
     EmbeddedStore,
@@ -73,7 +74,7 @@ def chat_body(size: int) -> dict[str, Any]:
 def row(times: list[float], *, lookup: bool) -> tuple[str, str, str]:
     """Median, p99 and (for a lookup) the share over the default 5 ms deadline, formatted."""
     times = sorted(times)
-    p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
+    p99 = percentile(times, 0.99) or 0.0
     over = sum(t > DEADLINE_US for t in times) / len(times)
     return f"{statistics.median(times):,.0f}", f"{p99:,.0f}", f"{over:.1%}" if lookup else ""
 
