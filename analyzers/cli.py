@@ -21,8 +21,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from analyzers.analysis import Analysis, AnalyzeOptions, analyze
 from analyzers.capacity import DEFAULT_POINTS
 from analyzers.html import write_html
+from analyzers.inputs import input_files
 from analyzers.providers import DEFAULT_MIN_CACHEABLE_TOKENS
-from analyzers.readers import input_files
 from analyzers.report import print_report
 
 PROGRESS_MIN_BYTES = 8 << 20  # show a progress bar from this much input on

@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from analyzers.readers import input_files, open_input
+from analyzers.inputs import input_files, open_input
 from proxy.canonical import Canonicalizer
 
 CHAT = "/v1/chat/completions"

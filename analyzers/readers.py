@@ -10,9 +10,8 @@
 - **kv-cache-tester traces** (one JSON object with ``block_size`` and ``requests``; ids are
   local to the file).
 
-Any of them may be compressed with gzip or xz (told by the file's first bytes, whatever its
-name), and a directory stands for every input file below it (``input_files``): a rotated,
-compressed log directory reads as it is.
+Any of them may be compressed with gzip or xz, and a directory stands for every input file
+below it (``analyzers.inputs``): a rotated, compressed log directory reads as it is.
 
 Block ids of public traces are namespaced per file (ids of different traces are unrelated);
 fingerprint hashes are not (they are seeded by model and tenant, and rotated log files of one
@@ -22,16 +21,14 @@ proxy must share them).
 from __future__ import annotations
 
 import gc
-import gzip
-import io
-import lzma
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import orjson
 
+from analyzers.inputs import input_files, input_stem, is_compressed, open_input, read_input
 from analyzers.tokens import estimate_tokens
 from analyzers.trace import Trace, TraceRequest
 from proxy.fingerprint import DEFAULT_BLOCK_BYTES, fingerprint
@@ -49,91 +46,10 @@ DEFAULT_TOKENS_PER_BYTE = 0.25  # ~4 bytes per token when a record does not say
 STABLE_KINDS = frozenset({"model", "tools", "system"})
 _DETECT_LINES = 200
 _NAMESPACE_BITS = 40  # trace block ids are far below 2**40
-_GZIP_MAGIC = b"\x1f\x8b"
-_XZ_MAGIC = b"\xfd7zXZ\x00"
-COMPRESSED_SUFFIXES = (".gz", ".xz")
-INPUT_SUFFIXES = frozenset({".jsonl", ".json", ".ndjson", ".log"})
-# io.BufferedReader's C readline over the decompressor: iterating lzma/gzip file objects
-# directly goes through a Python-level readline per line (+25 % read time on a trace).
-_DECOMPRESSED_BUFFER = 1 << 20
 
 
 def _noop(_: int) -> None:
     return None
-
-
-def _decompressor(path: Path) -> Callable[[Path], io.BufferedIOBase] | None:
-    """How to open ``path`` decompressed, told by its magic bytes; None when it is plain."""
-    with path.open("rb") as fh:
-        head = fh.read(len(_XZ_MAGIC))
-    if head.startswith(_GZIP_MAGIC):
-        return lambda p: gzip.open(p, "rb")
-    if head == _XZ_MAGIC:
-        return lambda p: lzma.open(p, "rb")
-    return None
-
-
-def is_compressed(path: Path) -> bool:
-    """Whether ``path`` is gzip or xz, by its first bytes."""
-    return _decompressor(path) is not None
-
-
-def open_input(path: Path) -> IO[bytes]:
-    """``path`` opened for reading bytes, decompressed on the fly when gzip or xz."""
-    decompressed = _decompressor(path)
-    if decompressed is None:
-        return path.open("rb")
-    return io.BufferedReader(decompressed(path), _DECOMPRESSED_BUFFER)
-
-
-def read_input(path: Path) -> bytes:
-    """The whole content of ``path``, decompressed when gzip or xz."""
-    with open_input(path) as fh:
-        return fh.read()
-
-
-def input_stem(path: Path) -> str:
-    """The file's name without its compression suffix and its format suffix."""
-    name = Path(path.name)
-    if name.suffix in COMPRESSED_SUFFIXES:
-        name = Path(name.stem)
-    return name.stem
-
-
-def is_input_name(name: str) -> bool:
-    """Whether a file name looks like an input: ``.jsonl``, ``.json``, ``.ndjson`` or ``.log``,
-    then optionally a rotation number (``requests.jsonl.3``) and ``.gz`` or ``.xz``."""
-    if name.startswith("."):
-        return False
-    parts = name.split(".")[1:]
-    if parts and "." + parts[-1] in COMPRESSED_SUFFIXES:
-        parts.pop()
-    if parts and parts[-1].isdigit():
-        parts.pop()
-    return bool(parts) and "." + parts[-1] in INPUT_SUFFIXES
-
-
-def input_files(paths: Iterable[Path]) -> list[Path]:
-    """Files given as they are; a directory as every input file below it, in name order.
-
-    Hidden files and folders are left out, and so is what does not look like an input by its
-    name (``is_input_name``): a README or a license beside the traces. A file named twice is
-    read once.
-    """
-    out: dict[Path, None] = {}
-    for path in paths:
-        if path.is_dir():
-            found = (
-                p
-                for p in sorted(path.rglob("*"))
-                if p.is_file()
-                and is_input_name(p.name)
-                and not any(part.startswith(".") for part in p.relative_to(path).parts)
-            )
-            out.update(dict.fromkeys(found))
-        else:
-            out[path] = None
-    return list(out)
 
 
 def read_paths(paths: Sequence[Path], *, progress: Progress | None = None) -> Trace:

@@ -42,8 +42,9 @@ import orjson
 import xxhash
 
 from analyzers.capacity import simulate_lru
+from analyzers.inputs import input_files, open_input, read_input
 from analyzers.quantile import percentile
-from analyzers.readers import KVCACHE, MOONCAKE, input_files, open_input, read_input, read_paths
+from analyzers.readers import KVCACHE, MOONCAKE, read_paths
 from analyzers.trace import PrefixKey, Trace, TraceRequest
 from proxy.fingerprint import leading_run
 from proxy.routing import (

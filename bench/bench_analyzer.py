@@ -28,7 +28,8 @@ from rich.table import Table
 
 from analyzers.analysis import analyze
 from analyzers.ideal import replay_unbounded
-from analyzers.readers import read_input, read_paths
+from analyzers.inputs import read_input
+from analyzers.readers import read_paths
 from proxy.fingerprint import fingerprint, hex64
 
 TRACES = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces"  # xz, as published

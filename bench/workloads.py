@@ -31,7 +31,7 @@ from typing import Any
 
 from loadgen import Result
 
-from analyzers.readers import read_input
+from analyzers.inputs import read_input
 
 Send = Callable[[dict[str, Any]], Awaitable[Result]]
 Workload = Callable[[Send, "Scale"], Awaitable[None]]

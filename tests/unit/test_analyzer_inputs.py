@@ -14,16 +14,9 @@ import orjson
 import pytest
 
 from analyzers.cli import main as analyze_main
+from analyzers.inputs import input_files, input_stem, is_compressed, is_input_name, read_input
 from analyzers.quality import read_requests
-from analyzers.readers import (
-    detect_format,
-    input_files,
-    input_stem,
-    is_compressed,
-    is_input_name,
-    read_input,
-    read_paths,
-)
+from analyzers.readers import detect_format, read_paths
 from analyzers.simulate import output_tokens
 from analyzers.trace import Trace
 from proxy.cli import main as prefixgate_main
