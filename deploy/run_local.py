@@ -91,7 +91,7 @@ class Supervisor:
         return proc
 
     def stop(self) -> None:
-        """SIGTERM to each server, the last started first, waiting for it to exit."""
+        """SIGTERM to each server, the last started first; one that outlasts its grace is killed."""
         for child, grace_s in reversed(self.children):
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
