@@ -21,8 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
-from analyzers.ideal import IdealReplay, leading_run
+from analyzers.ideal import IdealReplay
 from analyzers.trace import PrefixKey, TraceRequest
+from proxy.fingerprint import leading_run
 
 DEFAULT_POINTS = 11  # 1/1024 of the footprint up to the footprint, doubling
 TARGET_SHARE = 0.9

@@ -1,4 +1,4 @@
-"""``prefixgate analyze PATH…``: the analyzer's command line.
+"""``prefixgate analyze PATH…``: the analyzer's command line (a PATH may be a directory).
 
 ``add_analyze_parser`` registers the sub-command on the ``prefixgate`` parser and
 ``run_analyze`` runs it; ``main`` serves ``python -m analyzers``. The terminal report goes to
@@ -21,6 +21,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from analyzers.analysis import Analysis, AnalyzeOptions, analyze
 from analyzers.capacity import DEFAULT_POINTS
 from analyzers.html import write_html
+from analyzers.inputs import input_files
 from analyzers.providers import DEFAULT_MIN_CACHEABLE_TOKENS
 from analyzers.report import print_report
 
@@ -44,7 +45,13 @@ def add_analyze_parser(subparsers: Any) -> None:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """The analyze arguments, shared by the sub-command and ``python -m analyzers``."""
-    parser.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="input files")
+    parser.add_argument(
+        "paths",
+        nargs="+",
+        type=Path,
+        metavar="PATH",
+        help="input files (gzip or xz too), or directories of them",
+    )
     parser.add_argument("--json", action="store_true", help="print the JSON document instead")
     parser.add_argument("--html", type=Path, metavar="FILE", help="also write an HTML report")
     parser.add_argument(
@@ -73,8 +80,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="never show a progress bar")
 
 
-def _run(args: argparse.Namespace, err: Console) -> Analysis:
-    paths: list[Path] = args.paths
+def _run(args: argparse.Namespace, paths: list[Path], err: Console) -> Analysis:
     options = AnalyzeOptions(
         min_cacheable_tokens=args.min_cacheable_tokens,
         max_backends_per_prompt=args.max_backends_per_prompt,
@@ -105,12 +111,16 @@ def _run(args: argparse.Namespace, err: Console) -> Analysis:
 def run_analyze(args: argparse.Namespace) -> int:
     """Run ``analyze`` for parsed arguments; the process exit status."""
     err = Console(stderr=True)
-    missing = [p for p in args.paths if not p.is_file()]
+    missing = [p for p in args.paths if not p.exists()]
     if missing:
         err.print(f"prefixgate analyze: no such file: {missing[0]}", markup=False)
         return 2
+    paths = input_files(args.paths)
+    if not paths:
+        err.print(f"prefixgate analyze: no input files in {args.paths[0]}", markup=False)
+        return 2
     try:
-        result = _run(args, err)
+        result = _run(args, paths, err)
     except (OSError, ValueError) as exc:
         err.print(f"prefixgate analyze: {exc}", markup=False)
         return 1

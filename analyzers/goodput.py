@@ -7,10 +7,10 @@ reported where it did, else what the unbounded replay says could have been cache
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from analyzers.ideal import IdealReplay
+from analyzers.quantile import percentile
 from analyzers.trace import Trace
 
 HIT_SHARE = 0.5
@@ -43,16 +43,6 @@ class Goodput:
     @property
     def slo_share(self) -> float | None:
         return self.slo_met / self.slo_requests if self.slo_requests else None
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float | None:
-    """The ``q`` quantile (0..1) by linear interpolation, None for no values."""
-    if not sorted_values:
-        return None
-    pos = q * (len(sorted_values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 def latency(values: list[float]) -> Latency:

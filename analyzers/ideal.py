@@ -12,27 +12,11 @@ served from cache); ``None`` (not reported) is kept apart from zero.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from analyzers.trace import PrefixKey, TraceRequest
-
-
-def leading_run(keys: Sequence[PrefixKey], present: Container[PrefixKey]) -> int:
-    """How many leading keys are present, for prefix-closed ``present`` (binary search)."""
-    n = len(keys)
-    if n == 0 or keys[0] not in present:
-        return 0
-    if keys[n - 1] in present:
-        return n
-    lo, hi = 1, n - 1  # keys[lo - 1] is present, keys[hi] is not
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if keys[mid] in present:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+from proxy.fingerprint import leading_run
 
 
 @dataclass(slots=True)

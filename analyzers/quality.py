@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from analyzers.inputs import input_files, open_input
 from proxy.canonical import Canonicalizer
 
 CHAT = "/v1/chat/completions"
@@ -59,9 +60,10 @@ class Pair:
 
 
 def read_requests(paths: Sequence[str]) -> Iterator[dict[str, Any]]:
-    """Chat request bodies from prefixgate records (``body``) or plain request JSONL."""
-    for path in paths:
-        with Path(path).open("rb") as f:
+    """Chat request bodies from prefixgate records (``body``) or plain request JSONL
+    (gzip or xz too; a directory for every input file in it)."""
+    for path in input_files(Path(p) for p in paths):
+        with open_input(path) as f:
             for line in f:
                 line = line.strip()
                 if not line:

@@ -10,6 +10,9 @@
 - **kv-cache-tester traces** (one JSON object with ``block_size`` and ``requests``; ids are
   local to the file).
 
+Any of them may be compressed with gzip or xz, and a directory stands for every input file
+below it (``analyzers.inputs``): a rotated, compressed log directory reads as it is.
+
 Block ids of public traces are namespaced per file (ids of different traces are unrelated);
 fingerprint hashes are not (they are seeded by model and tenant, and rotated log files of one
 proxy must share them).
@@ -25,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from analyzers.inputs import input_files, input_stem, is_compressed, open_input, read_input
 from analyzers.tokens import estimate_tokens
 from analyzers.trace import Trace, TraceRequest
 from proxy.fingerprint import DEFAULT_BLOCK_BYTES, fingerprint
@@ -49,7 +53,8 @@ def _noop(_: int) -> None:
 
 
 def read_paths(paths: Sequence[Path], *, progress: Progress | None = None) -> Trace:
-    """Read every file, detect its format, and return all requests in timestamp order.
+    """Read every file (directories expanded by ``input_files``), detect its format, and
+    return all requests in timestamp order. ``progress`` is told bytes as they are on disk.
 
     The cyclic garbage collector is paused while reading: parsing allocates millions of
     containers that all stay alive, and each collection pass would walk every one of them
@@ -66,13 +71,16 @@ def read_paths(paths: Sequence[Path], *, progress: Progress | None = None) -> Tr
 
 def _read_all(paths: Sequence[Path], progress: Progress | None) -> Trace:
     trace = Trace()
-    advance = progress or _noop
-    for index, path in enumerate(paths):
+    told = progress or _noop
+    for index, path in enumerate(input_files(paths)):
         fmt = detect_format(path)
         trace.formats[str(path)] = fmt
         # Below 2**61 an int hashes to itself, so namespaced ids never share a hash bucket
         # (``index << 64`` would: 2**64 is 8 modulo the 2**61 - 1 that ints hash by).
         namespace = index << _NAMESPACE_BITS
+        # The readers count decompressed bytes; a compressed file is told whole at its end.
+        compressed = is_compressed(path)
+        advance = _noop if compressed else told
         if fmt == KVCACHE:
             _read_kvcache(path, trace, namespace, advance)
         elif fmt == MOONCAKE:
@@ -81,14 +89,16 @@ def _read_all(paths: Sequence[Path], progress: Progress | None) -> Trace:
             _read_json_lines(path, trace, advance)
         else:
             trace.notes.append(f"{path}: format not recognised, skipped")
-            advance(path.stat().st_size)
+            compressed = True
+        if compressed:
+            told(path.stat().st_size)
     trace.sort()
     return trace
 
 
 def detect_format(path: Path) -> str:
     """The format of one file, judged from its first recognisable JSON object."""
-    with path.open("rb") as fh:
+    with open_input(path) as fh:
         for i, line in enumerate(fh):
             if i >= _DETECT_LINES:
                 break
@@ -101,7 +111,7 @@ def detect_format(path: Path) -> str:
             if fmt != UNKNOWN:
                 return fmt
     try:
-        whole = orjson.loads(path.read_bytes())
+        whole = orjson.loads(read_input(path))
     except orjson.JSONDecodeError:
         return UNKNOWN
     return _format_of(whole) if isinstance(whole, dict) else UNKNOWN
@@ -130,10 +140,10 @@ def _loads(line: bytes) -> dict[str, Any] | None:
 
 
 def _read_kvcache(path: Path, trace: Trace, namespace: int, advance: Progress) -> None:
-    raw = path.read_bytes()
+    raw = read_input(path)
     doc = orjson.loads(raw)
     block = float(doc.get("block_size") or 64)
-    source = path.stem
+    source = input_stem(path)
     trace.granularity.add("block")
     for r in doc["requests"]:
         ids = r.get("hash_ids") or []
@@ -152,13 +162,13 @@ def _read_kvcache(path: Path, trace: Trace, namespace: int, advance: Progress) -
 
 
 def _read_mooncake(path: Path, trace: Trace, namespace: int, advance: Progress) -> None:
-    source = path.stem
+    source = input_stem(path)
     block = float(MOONCAKE_BLOCK_TOKENS)
     trace.granularity.add("block")
     append = trace.requests.append
     loads = orjson.loads
     pending = 0
-    with path.open("rb") as fh:
+    with open_input(path) as fh:
         for line in fh:
             pending += len(line)
             try:
@@ -184,9 +194,9 @@ def _read_mooncake(path: Path, trace: Trace, namespace: int, advance: Progress) 
 
 
 def _read_json_lines(path: Path, trace: Trace, advance: Progress) -> None:
-    source = path.stem
+    source = input_stem(path)
     pending = 0
-    with path.open("rb") as fh:
+    with open_input(path) as fh:
         for index, line in enumerate(fh):
             pending += len(line)
             obj = _loads(line)

@@ -42,9 +42,11 @@ import orjson
 import xxhash
 
 from analyzers.capacity import simulate_lru
-from analyzers.ideal import leading_run
+from analyzers.inputs import input_files, open_input, read_input
+from analyzers.quantile import percentile
 from analyzers.readers import KVCACHE, MOONCAKE, read_paths
 from analyzers.trace import PrefixKey, Trace, TraceRequest
+from proxy.fingerprint import leading_run
 from proxy.routing import (
     POLICIES,
     Candidate,
@@ -184,13 +186,6 @@ def _int_chain(keys: Sequence[PrefixKey]) -> list[int]:
     return out
 
 
-def _percentile(sorted_values: Sequence[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    index = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
-    return sorted_values[index]
-
-
 def simulate_fleet(
     requests: Sequence[TraceRequest],
     *,
@@ -257,8 +252,8 @@ def simulate_fleet(
         prompt_tokens=round(prompt_total),
         per_replica=per_replica,
         reasons=dict(sorted(reasons.items())),
-        ttft_p50_s=_percentile(ttfts, 0.5),
-        ttft_p99_s=_percentile(ttfts, 0.99),
+        ttft_p50_s=percentile(ttfts, 0.5),
+        ttft_p99_s=percentile(ttfts, 0.99),
         max_in_flight=max_in_flight,
     )
 
@@ -300,10 +295,10 @@ def output_tokens(paths: Sequence[Path], trace: Trace) -> list[float] | None:
     a file records no outputs or anything does not line up: the caller uses a default.
     """
     rows: list[tuple[float, float, float]] = []
-    for path in paths:
+    for path in input_files(paths):
         fmt = trace.formats.get(str(path))
         if fmt == MOONCAKE:
-            with path.open("rb") as fh:
+            with open_input(path) as fh:
                 for line in fh:
                     try:
                         obj = orjson.loads(line)
@@ -314,7 +309,7 @@ def output_tokens(paths: Sequence[Path], trace: Trace) -> list[float] | None:
                     prompt = float(obj.get("input_length") or len(ids) * 512)
                     rows.append((ts, prompt, float(obj.get("output_length") or 0)))
         elif fmt == KVCACHE:
-            doc = orjson.loads(path.read_bytes())
+            doc = orjson.loads(read_input(path))
             block = float(doc.get("block_size") or 64)
             for r in doc["requests"]:
                 ids = r.get("hash_ids") or []
@@ -387,7 +382,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     """The simulate arguments."""
     d = RoutingConfig()
     m = LoadModel()
-    parser.add_argument("paths", nargs="+", type=Path, metavar="TRACE", help="input files")
+    parser.add_argument(
+        "paths",
+        nargs="+",
+        type=Path,
+        metavar="TRACE",
+        help="input files (gzip or xz too), or directories of them",
+    )
     parser.add_argument("--replicas", type=int, required=True, help="backend replicas")
     parser.add_argument(
         "--capacity-blocks",
@@ -440,10 +441,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def run_simulate(args: argparse.Namespace) -> int:
     """Run ``simulate`` for parsed arguments; the process exit status."""
-    missing = [p for p in args.paths if not p.is_file()]
+    missing = [p for p in args.paths if not p.exists()]
     if missing:
         print(f"prefixgate simulate: no such file: {missing[0]}", file=sys.stderr)
         return 2
+    paths = input_files(args.paths)
     try:
         routing = RoutingConfig(
             min_affinity_blocks=args.min_affinity_blocks,
@@ -461,7 +463,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             raise ValueError("--replicas, --capacity-blocks and --block-tokens must be positive")
         if not args.traffic_window_s > 0:
             raise ValueError("--traffic-window-s must be positive")
-        trace = read_paths(args.paths)
+        trace = read_paths(paths)
     except (OSError, ValueError) as exc:
         print(f"prefixgate simulate: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
@@ -477,7 +479,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         capacity_tokens=float(args.capacity_blocks * args.block_tokens),
         routing=routing,
         load=load,
-        outputs=output_tokens(args.paths, trace),
+        outputs=output_tokens(paths, trace),
         traffic_window_s=args.traffic_window_s,
     )
     elapsed = time.perf_counter() - started

@@ -1,8 +1,9 @@
 """Analyzer throughput: records per second for reading + the unbounded replay, and a full run.
 
 Run: ``python bench/bench_analyzer.py [--records N]``. Measures, on the public traces under
-``../shared/workloads`` and on a generated prefixgate log of N request records (segment tables
-made by the real fingerprint, no bodies):
+``tests/data/traces`` (decompressed first: the timings are the analyzer's, not xz's) and on a
+generated prefixgate log of N request records (segment tables made by the real fingerprint, no
+bodies):
 
 - read + ideal: parsing every line and replaying it through the unbounded cache (best of
   three; records/s, and prefix keys/s since a Claude Code request holds ~1,500 blocks);
@@ -27,10 +28,11 @@ from rich.table import Table
 
 from analyzers.analysis import analyze
 from analyzers.ideal import replay_unbounded
+from analyzers.inputs import read_input
 from analyzers.readers import read_paths
 from proxy.fingerprint import fingerprint, hex64
 
-WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
+TRACES = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces"  # xz, as published
 SYSTEM = "You are a helpful assistant for the order desk. " * 60
 
 
@@ -70,6 +72,18 @@ def write_records(path: Path, count: int, turns: int = 8) -> None:
             fh.write(orjson.dumps(rec) + b"\n")
 
 
+def unpacked(paths: list[Path], directory: Path) -> list[Path]:
+    """Plain copies of the shipped xz traces in ``directory``, under their published names."""
+    directory.mkdir(parents=True, exist_ok=True)
+    out = []
+    for path in paths:
+        plain = directory / path.with_suffix("").name
+        if path.exists():
+            plain.write_bytes(read_input(path))
+        out.append(plain)
+    return out
+
+
 def timed(fn: Callable[[], int]) -> tuple[int, float]:
     t0 = time.perf_counter()
     n = fn()
@@ -96,10 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "records.jsonl"
         write_records(log, args.records)
+        mooncake = unpacked(
+            [
+                TRACES / "mooncake" / "conversation_trace.jsonl.xz",
+                TRACES / "mooncake" / "synthetic_trace.jsonl.xz",
+            ],
+            Path(tmp) / "mooncake",
+        )
+        claude = sorted((TRACES / "claude-code").glob("*.json.xz"))
         inputs = {
-            "mooncake conversation": [WORKLOADS / "mooncake" / "conversation_trace.jsonl"],
-            "mooncake synthetic": [WORKLOADS / "mooncake" / "synthetic_trace.jsonl"],
-            "claude-code (60 files)": sorted((WORKLOADS / "claude-code").glob("*.json")),
+            "mooncake conversation": mooncake[:1],
+            "mooncake synthetic": mooncake[1:],
+            "claude-code (60 files)": unpacked(claude, Path(tmp) / "claude-code"),
             f"prefixgate log ({args.records:,} records)": [log],
         }
         for name, paths in inputs.items():

@@ -37,6 +37,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from analyzers.quantile import percentile
 from proxy.canonical import Canonicalizer, CanonicalResult
 from proxy.fingerprint import fingerprint, render
 
@@ -69,7 +70,7 @@ def timed(fn: Callable[[Any], object], items: Sequence[Any]) -> list[float]:
 
 
 def p90(values: list[float]) -> float:
-    return statistics.quantiles(values, n=10)[-1]
+    return percentile(sorted(values), 0.9) or 0.0
 
 
 def measure(size: int, scenario: str, repeat: int) -> list[str]:

@@ -50,6 +50,8 @@ import loadgen
 import procs
 from loadgen import Slo
 
+from analyzers.quantile import percentile
+
 TARGETS = ("direct", "nginx", "aiohttp-relay", "litellm", "prefixgate", "prefixgate-redis")
 PROXIES = tuple(t for t in TARGETS if t != "direct")
 PATH = "/v1/chat/completions"
@@ -149,10 +151,11 @@ def proxy_overheads(proxy: procs.Proc | None, id_prefix: str, expected: int) -> 
         if len(values) >= expected or time.monotonic() > deadline:
             break
         time.sleep(0.1)
+    values.sort()
     return {
         "records": len(values),
-        "p50": loadgen.percentile(values, 50),
-        "p99": loadgen.percentile(values, 99),
+        "p50": percentile(values, 0.5),
+        "p99": percentile(values, 0.99),
     }
 
 

@@ -4,7 +4,7 @@ Run: ``python bench/bench_routing.py [--replicas 4 16] [--skip-lookup] [--redis-
 
 1. **Fleet simulation** (``analyzers.simulate``, the proxy's own ``Router``): the Mooncake
    conversation and synthetic traces and the 60 Claude Code sessions under
-   ``../shared/workloads``, for each fleet size, with round-robin, least-loaded, prefix-affinity
+   ``tests/data/traces``, for each fleet size, with round-robin, least-loaded, prefix-affinity
    and the pooled bound (one LRU of the whole capacity). Capacities are the fleet's total, split
    evenly: 20,000 blocks of 512 tokens for the conversation trace (its footprint is ~183,000),
    10,000 for synthetic (~44,000) and 5,000 for Claude Code (~20,000), so that every trace is
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,24 +32,26 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from analyzers.quantile import percentile
 from analyzers.readers import read_paths
 from analyzers.simulate import POOLED, FleetResult, output_tokens, run_policies
 from proxy.fingerprint import fingerprint
 from proxy.routing import POLICIES
 from proxy.store import EmbeddedStore, PrefixStore, RedisStore, StoreOptions, StoreTimeouts
+from tests.ports import free_port
 
-WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
+TRACES = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces"  # xz, as published
 BLOCK_TOKENS = 512
 ROUTE = "/v1/chat/completions"
 
 
 def traces() -> list[tuple[str, list[Path], int]]:
     """(name, files, fleet capacity in 512-token blocks) per trace."""
-    mooncake = WORKLOADS / "mooncake"
+    mooncake = TRACES / "mooncake"
     return [
-        ("Mooncake conversation", [mooncake / "conversation_trace.jsonl"], 20_000),
-        ("Mooncake synthetic", [mooncake / "synthetic_trace.jsonl"], 10_000),
-        ("Claude Code (60 sessions)", sorted((WORKLOADS / "claude-code").glob("*.json")), 5_000),
+        ("Mooncake conversation", [mooncake / "conversation_trace.jsonl.xz"], 20_000),
+        ("Mooncake synthetic", [mooncake / "synthetic_trace.jsonl.xz"], 10_000),
+        ("Claude Code (60 sessions)", sorted((TRACES / "claude-code").glob("*.json.xz")), 5_000),
     ]
 
 
@@ -108,7 +109,7 @@ async def timed(call: Callable[[], Awaitable[Any]], repeat: int) -> str:
         await call()
         times.append((time.perf_counter() - t0) * 1e6)
     times.sort()
-    p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
+    p99 = percentile(times, 0.99) or 0.0
     return f"{statistics.median(times):,.0f} / {p99:,.0f}"
 
 
@@ -150,13 +151,6 @@ async def lookup_table(redis_url: str, repeat: int) -> list[str]:
         for store in stores.values():
             await store.aclose()
     return lines
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def run_lookup(redis_url: str | None, repeat: int) -> list[str]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console
 from rich.table import Table
 
+from analyzers.quantile import percentile
 from proxy.fingerprint import fingerprint
 from proxy.store import (
     EmbeddedStore,
@@ -48,6 +48,7 @@ from proxy.store import (
     StoreTimeouts,
 )
 from proxy.store.redis_scripts import pack_chain
+from tests.ports import free_port
 from tests.store.cluster_process import RedisClusterServer
 
 SIZES = (8 << 10, 128 << 10, 512 << 10)
@@ -70,17 +71,10 @@ def chat_body(size: int) -> dict[str, Any]:
     return {"model": "bench-model", "messages": messages}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def row(times: list[float], *, lookup: bool) -> tuple[str, str, str]:
     """Median, p99 and (for a lookup) the share over the default 5 ms deadline, formatted."""
     times = sorted(times)
-    p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
+    p99 = percentile(times, 0.99) or 0.0
     over = sum(t > DEADLINE_US for t in times) / len(times)
     return f"{statistics.median(times):,.0f}", f"{p99:,.0f}", f"{over:.1%}" if lookup else ""
 

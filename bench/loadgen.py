@@ -34,6 +34,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from analyzers.quantile import percentile
+
 CHAT_PATH = "/v1/chat/completions"
 BodyFactory = Callable[[int], bytes]
 
@@ -356,20 +358,12 @@ def _rid(prefix: str | None, i: int) -> dict[str, str] | None:
     return {"X-Request-Id": f"{prefix}-{i}"} if prefix else None
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (``q`` in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
-
-
 def _dist(values: Sequence[float]) -> dict[str, float | None]:
+    ordered = sorted(values)
     return {
-        "p50": _round(percentile(values, 50)),
-        "p90": _round(percentile(values, 90)),
-        "p99": _round(percentile(values, 99)),
+        "p50": _round(percentile(ordered, 0.5)),
+        "p90": _round(percentile(ordered, 0.9)),
+        "p99": _round(percentile(ordered, 0.99)),
         "mean": _round(sum(values) / len(values)) if values else None,
     }
 
@@ -417,7 +411,7 @@ def summarize(results: Sequence[Result], window: Window, slo: Slo) -> dict[str, 
         "prompt_tokens": sum(prompt),
         "cached_tokens": sum(cached),
         "cached_share": round(sum(cached) / sum(prompt), 4) if sum(prompt) else None,
-        "lag_ms_p99": _round(percentile([r.lag_ms for r in results], 99)),
+        "lag_ms_p99": _round(percentile(sorted(r.lag_ms for r in results), 0.99)),
     }
 
 

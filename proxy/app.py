@@ -128,39 +128,45 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
                 timeouts=StoreTimeouts(lookup_s=t.store),
             ),
         )
-        fleet = Fleet.from_settings(settings)
-        tracker = PrefixTracker(
-            store,
-            block_bytes=settings.block_bytes,
-            log_prompt_labels=settings.log_prompts,
-            routing=settings.routing,
-        )
-        state = ProxyState(
-            settings=settings,
-            session=session,
-            fleet=fleet,
-            store=store,
-            tracker=tracker,
-            writer=record_writer,
-            builder=RecordBuilder(slo=settings.slo, pricing=settings.pricing),
-            canonicalizer=canonicalizer,
-            redactor=redactor,
-            scheduler=Scheduler(settings.scheduling, tokens_per_byte=tracker.tokens_per_byte.get),
-        )
-        app[STATE] = state
-        await fleet.start(session)
-        state.scheduler.start(session, fleet.replicas, backend_api_key=settings.backend_api_key)
-        log.info(
-            "proxy_ready",
-            backends=[b.url for b in settings.backends],
-            store="redis" if settings.redis_url else "embedded",
-        )
-        try:
-            yield
+        try:  # from here on, a start step that fails still closes the session and the store
+            fleet = Fleet.from_settings(settings)
+            tracker = PrefixTracker(
+                store,
+                block_bytes=settings.block_bytes,
+                log_prompt_labels=settings.log_prompts,
+                routing=settings.routing,
+            )
+            state = ProxyState(
+                settings=settings,
+                session=session,
+                fleet=fleet,
+                store=store,
+                tracker=tracker,
+                writer=record_writer,
+                builder=RecordBuilder(slo=settings.slo, pricing=settings.pricing),
+                canonicalizer=canonicalizer,
+                redactor=redactor,
+                scheduler=Scheduler(
+                    settings.scheduling, tokens_per_byte=tracker.tokens_per_byte.get
+                ),
+            )
+            app[STATE] = state
+            try:
+                await fleet.start(session)
+                state.scheduler.start(
+                    session, fleet.replicas, backend_api_key=settings.backend_api_key
+                )
+                log.info(
+                    "proxy_ready",
+                    backends=[b.url for b in settings.backends],
+                    store="redis" if settings.redis_url else "embedded",
+                )
+                yield
+            finally:
+                await state.scheduler.aclose()
+                await fleet.aclose()
+                await record_writer.drain()
         finally:
-            await state.scheduler.aclose()
-            await fleet.aclose()
-            await record_writer.drain()
             await session.close()
             await store.aclose()
 

@@ -46,14 +46,16 @@ recursion limit an iterative encoder (``proxy.deep_json``) that writes the same 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import orjson
 import xxhash
 
 from proxy.deep_json import deep_json
+
+K = TypeVar("K", bound=Hashable)
 
 DEFAULT_BLOCK_BYTES = 256
 
@@ -382,6 +384,29 @@ def common_blocks(a: Sequence[int], b: Sequence[int], known: int = 0) -> int:
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def leading_run(keys: Sequence[K], present: Container[K]) -> int:
+    """How many leading ``keys`` are in ``present``, a prefix-closed set of chain keys.
+
+    Binary search: ``O(log n)`` probes, and one for a chain whose first key is absent (the
+    common answer for a replica that never saw the prompt). It is exact because presence is
+    monotone along a chain: a prefix-closed index holds a key only with every key before it,
+    and a chain that left the index at block k continues with keys it has never seen. The
+    proxy's stores (the Redis lookup script runs the same search) and the analyzer's cache
+    replays all use it, so they agree on every input.
+    """
+    hi = len(keys)
+    if hi == 0 or keys[0] not in present:
+        return 0
+    lo = 1  # keys[:lo] are present; the answer is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if keys[mid - 1] in present:
             lo = mid
         else:
             hi = mid - 1

@@ -21,13 +21,13 @@ Module map::
 
 from __future__ import annotations
 
+from proxy.fingerprint import leading_run
 from proxy.store.base import (
     DEFAULT_NAMESPACE,
     LookupResult,
     PrefixStore,
     StoreOptions,
     StoreTimeouts,
-    leading_run,
 )
 from proxy.store.embedded import EmbeddedStore
 from proxy.store.ranking import PrefixStat

@@ -20,7 +20,7 @@ The index only ever receives chained hashes (``h_k`` determines ``h_1 .. h_k``) 
 *prefix-closed*: recording a prompt touches its whole chain with the leading blocks most
 recent, so eviction takes a prompt's tail before its head and a block is never evicted before
 the blocks that lead to it. That is why ``longest_match`` may find the leading run by binary
-search (``leading_run``) in both implementations.
+search (``proxy.fingerprint.leading_run``) in both implementations.
 
 Failure model (Redis). A store call never raises and never waits longer than its timeout: on
 an error it returns the neutral result (``{}``, an empty window, ``[]``), sets ``degraded`` and
@@ -31,7 +31,7 @@ its own numbers (its local in-flight counts, a shared depth of 0).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -185,21 +185,3 @@ class PrefixStore(Protocol):
     async def aclose(self) -> None:
         """Release connections; safe to call more than once."""
         ...
-
-
-def leading_run(present: Callable[[int], bool], hashes: Sequence[int]) -> int:
-    """Length of the leading run of ``hashes`` for which ``present`` holds.
-
-    Binary search, so ``O(log n)`` probes instead of ``n``. It is exact because presence is
-    monotone along a chain: the index is prefix-closed, and a chain that left the index at
-    block k (a different block k) continues with hashes the index has never seen. The Redis
-    lookup script runs the same search, so both implementations agree on every input.
-    """
-    lo, hi = 0, len(hashes)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if present(hashes[mid - 1]):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -13,8 +13,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from proxy.fingerprint import leading_run
 from proxy.routing import TRAFFIC_MAX_BLOCKS, TrafficWindow
-from proxy.store.base import DEFAULT_NAMESPACE, LookupResult, StoreOptions, leading_run
+from proxy.store.base import DEFAULT_NAMESPACE, LookupResult, StoreOptions
 from proxy.store.ranking import (
     ANCHOR_FIELDS,
     PrefixStat,
@@ -97,7 +98,7 @@ class EmbeddedStore:
             if index is None or not hashes:
                 out[replica] = 0
                 continue
-            out[replica] = leading_run(index.blocks.__contains__, hashes)
+            out[replica] = leading_run(hashes, index.blocks)
         return out
 
     async def record_prefix(

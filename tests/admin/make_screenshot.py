@@ -25,7 +25,6 @@ import asyncio
 import dataclasses
 import math
 import random
-import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -46,6 +45,7 @@ from proxy.log import configure_logging, get_logger  # noqa: E402
 from proxy.records import Pricing, RecordWriter, RequestRecord, Slo  # noqa: E402
 from proxy.state import STATE  # noqa: E402
 from proxy.store import StatsSample  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 SLO = Slo(ttft_ms=400.0, tpot_ms=40.0)
 PRICING = Pricing(input_per_mtok=3.0, cached_input_per_mtok=0.3)
@@ -75,13 +75,6 @@ class TimedFake(LlamaFake):
         # Read synchronously by the fake right after this call, before its first await.
         self.knobs.header_delay_s = 0.01 + (prompt - cached) * self.knobs.prefill_ms_per_token / 1e3
         return prompt, cached
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def start(app: web.Application) -> tuple[web.AppRunner, str]:

@@ -16,7 +16,7 @@ from fakes import LlamaFake, MakeProxy
 
 from proxy.config import Timeouts
 from proxy.records import Pricing, Slo
-from tests.store.redis_process import free_port
+from tests.ports import free_port
 
 pytestmark = pytest.mark.browser
 

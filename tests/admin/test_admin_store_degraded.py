@@ -22,7 +22,7 @@ from stats_schema import assert_valid
 
 from proxy.config import Timeouts
 from proxy.records import Pricing, Slo
-from tests.store.redis_process import free_port
+from tests.ports import free_port
 
 TIMEOUTS = Timeouts(connect=2, idle=5, store=0.05)
 

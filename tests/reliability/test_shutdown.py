@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from tests.reliability.processes import ChildProcess, free_port, http_get
+from tests.ports import free_port
+from tests.reliability.processes import ChildProcess, http_get
 
 APP = """
 import asyncio, sys

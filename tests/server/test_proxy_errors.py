@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,6 +11,7 @@ import pytest
 from fakes import DONE, LlamaFake, MakeProxy, VllmFake, sse_events, sse_payloads
 
 from proxy.config import Timeouts
+from tests.ports import free_port
 
 CHAT: dict[str, Any] = {
     "model": "fake-model",
@@ -22,10 +22,7 @@ FAST = Timeouts(connect=0.5, idle=0.25)
 
 def closed_port_url() -> str:
     """A local URL nothing listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def assert_openai_error(body: Any, type_: str) -> None:

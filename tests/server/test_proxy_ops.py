@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import socket
 from typing import Any
 
 import aiohttp
@@ -11,6 +10,7 @@ import pytest
 from fakes import LlamaFake, MakeProxy, VllmFake
 
 from proxy.state import STATE
+from tests.ports import free_port
 
 CHAT: dict[str, Any] = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -124,9 +124,7 @@ async def test_healthz_and_readyz(llama_fake: LlamaFake, make_proxy: MakeProxy) 
 
 async def test_readyz_503_with_dead_backend(make_proxy: MakeProxy) -> None:
     """/readyz is 503 while no backend answers; /healthz stays 200."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = f"http://127.0.0.1:{free_port()}"
     client, _, _ = await make_proxy(dead)
     async with client.get("/readyz") as resp:
         assert resp.status == 503

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Any
 
 from fakes import LlamaFake, MakeProxy, ProxyClient, VllmFake, fleet_proxy, serve
 
 from proxy.config import HealthChecks
 from proxy.state import STATE
+from tests.ports import free_port
 
 CHAT: dict[str, Any] = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -90,9 +90,7 @@ async def test_backend_started_after_the_proxy_joins(
 ) -> None:
     """A replica unreachable at start-up starts ejected, and is detected once it comes up."""
     well = await serve(LlamaFake(), aiohttp_server)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     late = LlamaFake()
     late.url = f"http://127.0.0.1:{port}"
     client, _, app = await fleet_proxy(make_proxy, well, late, policy="round-robin")

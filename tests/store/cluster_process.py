@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.store.redis_process import REDIS_SERVER, free_port
+from tests.ports import free_port
+from tests.store.redis_process import REDIS_SERVER
 
 SLOTS = 16384
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -14,6 +13,7 @@ import pytest
 import redis
 
 from proxy.store import PrefixStore, StoreTimeouts
+from tests.ports import free_port
 
 StoreFactory = Callable[..., PrefixStore]
 
@@ -22,14 +22,6 @@ StoreFactory = Callable[..., PrefixStore]
 # their own tight ones.
 RELAXED = StoreTimeouts(lookup_s=1.0, write_s=1.0, read_s=5.0)
 REDIS_SERVER = os.environ.get("PREFIXGATE_TEST_REDIS_SERVER", "/usr/bin/redis-server")
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class RedisServer:

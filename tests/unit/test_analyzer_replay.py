@@ -10,10 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from analyzers.capacity import capacity_curve, default_capacities, simulate_lru
-from analyzers.ideal import leading_run, measured, replay_unbounded, timeline
+from analyzers.ideal import measured, replay_unbounded, timeline
 from analyzers.prefixtree import shared_prefixes
 from analyzers.readers import read_paths
 from analyzers.trace import TraceRequest
+from proxy.fingerprint import leading_run
 
 FIXTURES = Path(__file__).parents[1] / "data" / "analyzer"
 

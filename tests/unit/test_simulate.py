@@ -24,7 +24,7 @@ from proxy.cli import main
 from proxy.routing import RoutingConfig
 
 DATA = Path(__file__).parents[1] / "data" / "analyzer"
-WORKLOADS = Path(__file__).parents[2].parent / "shared" / "workloads"
+TRACES = Path(__file__).parents[1] / "data" / "traces"  # xz-compressed, as published
 BLOCK = 512.0
 SYSTEM = [0, 1, 2, 3]  # a 4-block system prompt every request starts with
 NAIVE = RoutingConfig(
@@ -238,13 +238,13 @@ def test_cli_refuses_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Pat
 def test_mooncake_conversation_four_replicas() -> None:
     """The published conversation trace, 4 replicas, 20,000 blocks: round-robin ~12 %, pooled
     ~29 %, prefix-affinity within 95 % of pooled at imbalance <= 1.1."""
-    trace = read_paths([WORKLOADS / "mooncake" / "conversation_trace.jsonl"])
+    trace = read_paths([TRACES / "mooncake" / "conversation_trace.jsonl.xz"])
     rr, affinity, pooled = run_policies(
         trace,
         ["round-robin", "prefix-affinity", POOLED],
         replicas=4,
         capacity_tokens=20_000 * 512,
-        outputs=output_tokens([WORKLOADS / "mooncake" / "conversation_trace.jsonl"], trace),
+        outputs=output_tokens([TRACES / "mooncake" / "conversation_trace.jsonl.xz"], trace),
     )
     assert rr.hit_rate == pytest.approx(0.12, abs=0.01)
     assert pooled.hit_rate == pytest.approx(0.29, abs=0.01)
