@@ -11,15 +11,31 @@ against the SLO: the share of requests that met it, and SLO-met requests per sec
 own time (the sum of its requests' end-to-end times). For the proxied run, the canonicalizer
 rules that fired (from prefixgate's records).
 
-Run: ``python bench/bench_cache.py [--quick] [--workloads a,b] [--slots 2] [--out DIR]``.
-Writes ``cache.json`` in ``--out`` (default ``bench/results``). Five to ten minutes on 2 cores.
+Every server runs with ``--jinja`` and a ChatML template that prints tools and tool calls
+(``deploy/templates/chatml-tools.jinja``), so what the proxy does to tools reaches the prompt.
+
+The fleet workloads (``fleet_fixed``, ``fleet_clock``: more agent conversations than slots, see
+``workloads.fleet_bodies``) also report the **ideal**: the share an unbounded cache would serve
+for the same conversations with nothing volatile in them, exact to the token (each request's
+prompt rendered by the server's ``/apply-template`` and tokenized by its ``/tokenize``, reused up
+to its longest common prefix with any earlier prompt). Every proxied run reports the prediction
+error: mean ``|predicted_cached_tokens - cached_tokens| / prompt_tokens`` over its records.
+Shares are over every request but the first of each run (the first can hit nothing).
+
+Run: ``python bench/bench_cache.py [--quick] [--workloads a,b] [--slots 2] [--out DIR]``
+(``--slots 0``: llama-server's own slot setup, no ``-np``; ``--server-args "..."``: more
+llama-server flags, for both runs, which the proxy is told of where it models them).
+Writes ``cache.json`` in ``--out`` (default ``bench/results``). Ten to twenty minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import math
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -41,6 +57,8 @@ from proxy.canonical.config import NOTE_PLACEMENTS
 
 MODES = ("direct", "prefixgate")
 SLO = Slo(ttft_ms=1000.0, tpot_ms=100.0)
+TEMPLATE = procs.BENCH.parent / "deploy" / "templates" / "chatml-tools.jinja"
+DEFAULT_SERVER_SLOTS = 4  # llama-server without -np
 
 
 class Turns:
@@ -122,8 +140,40 @@ def fired_rules(records_path: Path) -> dict[str, int]:
     return dict(counts)
 
 
+def read_records(records_path: Path) -> list[dict[str, Any]]:
+    try:
+        lines = records_path.read_bytes().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        rec = orjson.loads(line)
+        if rec.get("event") == "request":
+            out.append(rec)
+    return out
+
+
+def prediction_error(records: list[dict[str, Any]]) -> float | None:
+    """Mean |predicted - measured| cached tokens over prompt tokens, per request."""
+    errors = [
+        abs(r["predicted_cached_tokens"] - r["cached_tokens"]) / r["prompt_tokens"]
+        for r in records
+        if r.get("prompt_tokens")
+        and r.get("cached_tokens") is not None
+        and r.get("predicted_cached_tokens") is not None
+    ]
+    return round(sum(errors) / len(errors), 4) if errors else None
+
+
+def share_after_first(results: list[Result]) -> float | None:
+    prompt = sum(r.prompt_tokens or 0 for r in results[1:])
+    cached = sum(r.cached_tokens or 0 for r in results[1:])
+    return round(cached / prompt, 4) if prompt else None
+
+
 def summary_of(results: list[Result], own_s: float, rules: dict[str, int]) -> dict[str, Any]:
     summary = loadgen.summarize(results, Window(0.0, own_s), SLO)
+    summary["cached_share_after_first"] = share_after_first(results)
     summary["canonical_rules"] = rules
     summary["per_request"] = [
         {
@@ -136,16 +186,67 @@ def summary_of(results: list[Result], own_s: float, rules: dict[str, int]) -> di
     return summary
 
 
+def fleet_scale(scale: workloads.Scale, slots: int) -> workloads.Scale:
+    """At least 1.5 conversations per slot."""
+    n = slots if slots > 0 else DEFAULT_SERVER_SLOTS
+    k = max(scale.fleet_conversations, math.ceil(1.5 * n))
+    return dataclasses.replace(scale, fleet_conversations=k)
+
+
+async def token_ids(url: str, bodies: list[dict[str, Any]]) -> list[list[int]]:
+    """Each chat body's prompt as the server renders and tokenizes it."""
+    out = []
+    async with loadgen.new_session() as session:
+        for body in bodies:
+            async with session.post(url + "/apply-template", json=body) as resp:
+                prompt = (await resp.json())["prompt"]
+            tok = {"content": prompt, "add_special": True, "parse_special": True}
+            async with session.post(url + "/tokenize", json=tok) as resp:
+                out.append((await resp.json())["tokens"])
+    return out
+
+
+def ideal_share(prompts: list[list[int]]) -> float | None:
+    """What an unbounded cache serves: each prompt's longest common prefix with any earlier one
+    (at most all but one token), over every prompt but the first."""
+    cached = total = 0
+    for i, tokens in enumerate(prompts):
+        best = 0
+        for earlier in prompts[:i]:
+            n = 0
+            for a, b in zip(tokens, earlier, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        if i:
+            cached += min(best, len(tokens) - 1)
+            total += len(tokens)
+    return round(cached / total, 4) if total else None
+
+
 def run_workload(
-    name: str, scale: workloads.Scale, workdir: Path, slots: int, proxy_args: Sequence[str] = ()
-) -> dict[str, dict[str, Any]]:
-    """The workload direct and through prefixgate, in lockstep, each on a fresh llama-server."""
+    name: str,
+    scale: workloads.Scale,
+    workdir: Path,
+    slots: int,
+    proxy_args: Sequence[str] = (),
+    server_args: Sequence[str] = (),
+    records_out: Path | None = None,
+) -> dict[str, Any]:
+    """The workload direct and through prefixgate, in lockstep, each on a fresh llama-server.
+
+    ``records_out``: where to keep a copy of prefixgate's records.
+    """
     # --poll 0: the server waiting for its turn sleeps instead of spinning its threads, which
     # would take the cores from the one computing.
-    extra = ("--poll", "0")
+    extra = ("--poll", "0", "--jinja", "--chat-template-file", str(TEMPLATE), *server_args)
+    ctx = 4096 * max(slots, 2)
+    if name.startswith("fleet_"):
+        scale = fleet_scale(scale, slots)
     with (
-        procs.start_llama_server(workdir, slots=slots, ctx=4096 * slots, extra=extra) as direct,
-        procs.start_llama_server(workdir, slots=slots, ctx=4096 * slots, extra=extra) as behind,
+        procs.start_llama_server(workdir, slots=slots, ctx=ctx, extra=extra) as direct,
+        procs.start_llama_server(workdir, slots=slots, ctx=ctx, extra=extra) as behind,
         procs.start_prefixgate(
             workdir, behind.url, name=f"prefixgate-{name}", extra=proxy_args
         ) as proxy,
@@ -165,12 +266,26 @@ def run_workload(
             (d_results, d_own), (p_results, p_own) = asyncio.run(both())
         time.sleep(0.3)  # records are written just after each response ends
         rules = fired_rules(proxy.extra_files["records"])
-    runs = {
+        records = read_records(proxy.extra_files["records"])
+        if records_out is not None:
+            records_out.write_bytes(proxy.extra_files["records"].read_bytes())
+        ideal = None
+        if name.startswith("fleet_"):
+            plain = workloads.fleet_bodies(scale, "plain")
+            ideal = ideal_share(asyncio.run(token_ids(direct.url, plain)))
+    runs: dict[str, Any] = {
         "direct": summary_of(d_results, d_own, {}),
         "prefixgate": summary_of(p_results, p_own, rules),
     }
     for summary in runs.values():
         summary["other_cpu_cores"] = other.cores
+    runs["prefixgate"]["prediction_error"] = prediction_error(records)
+    runs["prefixgate"]["cache_sources"] = dict(Counter(r.get("cache_source") for r in records))
+    runs["prefixgate"]["schedule_reasons"] = dict(
+        Counter(r.get("schedule_reason") for r in records)
+    )
+    if ideal is not None:
+        runs["ideal"] = {"cached_share_after_first": ideal}
     return runs
 
 
@@ -180,6 +295,8 @@ def run(
     out_dir: Path,
     slots: int,
     note_placement: str | None = None,
+    server_args: Sequence[str] = (),
+    report_name: str = "cache",
 ) -> dict[str, Any]:
     report: dict[str, Any] = {
         "machine": {
@@ -188,31 +305,44 @@ def run(
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },
         "backend": (
-            f"llama-server, SmolLM2-135M Q4_1, -np {slots}, -c {4096 * slots}, -t 2, --poll 0"
+            f"llama-server, SmolLM2-135M Q4_1, {f'-np {slots}' if slots else 'no -np'}, "
+            f"-c {4096 * max(slots, 2)}, -t 2, --poll 0, --jinja (tools template)"
+            + (f", {' '.join(server_args)}" if server_args else "")
         ),
         "slo": {"ttft_ms": SLO.ttft_ms, "tpot_ms": SLO.tpot_ms},
         "scale": vars_of(scale),
         "workloads": {},
     }
     with tempfile.TemporaryDirectory(prefix="pg-cache-") as tmp:
-        proxy_args: list[str] = []
+        proxy_args: list[str] = proxy_args_for(server_args)
         if note_placement is not None:
             config = Path(tmp) / "prefixgate.toml"
             config.write_text(f'[canonical]\nnote_placement = "{note_placement}"\n')
-            proxy_args = ["--config", str(config)]
+            proxy_args += ["--config", str(config)]
             report["note_placement"] = note_placement
         for name in names:
             print(f"== {name}", flush=True)
             t0 = time.monotonic()
-            runs = run_workload(name, scale, Path(tmp), slots, proxy_args)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            kept = out_dir / f"{report_name}-{name}-records.jsonl"
+            runs = run_workload(name, scale, Path(tmp), slots, proxy_args, server_args, kept)
             for summary in runs.values():
                 summary["seconds"] = round(time.monotonic() - t0, 1)
                 summary["loadavg"] = [round(x, 2) for x in os.getloadavg()]
             report["workloads"][name] = runs
     report["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "cache.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    (out_dir / f"{report_name}.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     return report
+
+
+def proxy_args_for(server_args: Sequence[str]) -> list[str]:
+    """Tell the proxy the llama-server flags its cache model follows."""
+    args = list(server_args)
+    for flag in ("--slot-prompt-similarity", "-sps"):
+        if flag in args and args.index(flag) + 1 < len(args):
+            return ["--server-slot-similarity", args[args.index(flag) + 1]]
+    return []
 
 
 def vars_of(scale: workloads.Scale) -> dict[str, Any]:
@@ -230,6 +360,8 @@ def print_table(report: dict[str, Any]) -> None:
         "requests",
         "prompt tokens",
         "cached share",
+        "after first",
+        "pred. error",
         "TTFT p50 ms",
         "TTFT p90 ms",
         "SLO met",
@@ -239,13 +371,20 @@ def print_table(report: dict[str, Any]) -> None:
         table.add_column(col, justify="right")
     for name, modes in report["workloads"].items():
         for mode, s in modes.items():
+            after = s.get("cached_share_after_first")
+            if mode == "ideal":
+                table.add_row(name, mode, *["-"] * 3, f"{after:.1%}", *["-"] * 6)
+                continue
             share = s["cached_share"]
+            error = s.get("prediction_error")
             table.add_row(
                 name,
                 mode,
                 str(s["requests"]),
                 f"{s['prompt_tokens']:,}",
                 "-" if share is None else f"{share:.1%}",
+                "-" if after is None else f"{after:.1%}",
+                "-" if error is None else f"{error:.3f}",
                 f"{s['ttft_ms']['p50']:,.0f}",
                 f"{s['ttft_ms']['p90']:,.0f}",
                 f"{s['slo_met_share']:.0%}",
@@ -259,7 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny workloads (smoke)")
     parser.add_argument("--workloads", default=",".join(workloads.WORKLOADS))
-    parser.add_argument("--slots", type=int, default=2, help="llama-server -np")
+    parser.add_argument(
+        "--slots", type=int, default=2, help="llama-server -np (0: its own setup, no -np)"
+    )
+    parser.add_argument("--server-args", default="", help="more llama-server flags")
+    parser.add_argument("--name", default="cache", help="report file name (without .json)")
     parser.add_argument("--out", default=str(procs.BENCH / "results"))
     parser.add_argument(
         "--note-placement",
@@ -272,9 +415,17 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in workloads.WORKLOADS]
     if unknown:
         parser.error(f"unknown workloads {unknown}; known: {', '.join(workloads.WORKLOADS)}")
-    report = run(scale, names, Path(args.out), args.slots, args.note_placement)
+    report = run(
+        scale,
+        names,
+        Path(args.out),
+        args.slots,
+        args.note_placement,
+        shlex.split(args.server_args),
+        args.name,
+    )
     print_table(report)
-    print(f"wrote {Path(args.out) / 'cache.json'}")
+    print(f"wrote {Path(args.out) / (args.name + '.json')}")
     return 0
 
 

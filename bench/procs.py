@@ -489,10 +489,15 @@ def smollm2_model() -> str:
 def start_llama_server(
     workdir: Path, *, slots: int = 1, ctx: int = 4096, extra: Sequence[str] = ()
 ) -> Proc:
-    """A real llama-server with SmolLM2 (as tests/integration/llama.py starts it)."""
+    """A real llama-server with SmolLM2 (as tests/integration/llama.py starts it).
+
+    ``slots`` 0: the server's own slot setup (no ``-np``: four slots, unified KV).
+    """
     port = free_port()
     args = [llama_server_binary(), "-m", smollm2_model(), "--host", "127.0.0.1"]
-    args += ["--port", str(port), "-c", str(ctx), "-np", str(slots), "-t", "2", "--metrics"]
+    args += ["--port", str(port), "-c", str(ctx), "-t", "2", "--metrics"]
+    if slots > 0:
+        args += ["-np", str(slots)]
     args += list(extra)
     url = f"http://127.0.0.1:{port}"
     return _spawn(

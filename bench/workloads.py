@@ -23,17 +23,19 @@ from __future__ import annotations
 import json
 import math
 import random
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
-
-from loadgen import Result
+from typing import TYPE_CHECKING, Any
 
 from analyzers.inputs import read_input
 
-Send = Callable[[dict[str, Any]], Awaitable[Result]]
+if TYPE_CHECKING:
+    from loadgen import Result
+
+Send = Callable[[dict[str, Any]], Awaitable["Result"]]
 Workload = Callable[[Send, "Scale"], Awaitable[None]]
 
 _VOCABULARY = (
@@ -89,7 +91,7 @@ QUICK = Scale(
     claude_words=3,
     max_tokens=4,
     fleet_conversations=3,
-    fleet_turns=2,
+    fleet_turns=3,
     fleet_system_words=60,
 )
 
@@ -313,8 +315,9 @@ def fleet_bodies(
     every request (as clients that build the list from a dict or a registry send them).
 
     ``volatile``: what the system prompt carries besides the shared instructions: ``plain``
-    nothing (the workload's ceiling), ``fixed`` today's date and a per-conversation session id,
-    ``clock`` a clock to the second (changing on every request) and the session id.
+    nothing, and the tools in one order (the workload's ceiling), ``fixed`` today's date and a
+    per-conversation session id (a UUID), ``clock`` a clock to the second (changing on every
+    request) and the session id.
     The bodies do not depend on the answers (the agents' tool calls are scripted), so the same
     list is sent direct and through the proxy, and the ideal is computed from it offline.
     """
@@ -331,7 +334,7 @@ def fleet_bodies(
         f"Task {c}: the {rng.choice(WORDS)} {rng.choice(WORDS)} module fails its tests. Fix it."
         for c in range(k)
     ]
-    sessions = [f"{rng.getrandbits(64):016x}-{c:02d}" for c in range(k)]
+    sessions = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(k)]
     clock = datetime(2026, 12, 1, 9, 14, 3, tzinfo=UTC)
     histories: list[list[dict[str, Any]]] = [[] for _ in range(k)]
     bodies = []
@@ -347,7 +350,8 @@ def fleet_bodies(
                 header = f"Current time: {now.strftime('%a %b %d %H:%M:%S UTC %Y')}. "
                 header += f"Session id: {sessions[c]}.\n"
             tools = list(FLEET_TOOLS)
-            random.Random(f"tools:{c}:{turn}").shuffle(tools)
+            if volatile != "plain":  # the ceiling's clients send one tool order
+                random.Random(f"tools:{c}:{turn}").shuffle(tools)
             messages = [
                 {"role": "system", "content": header + instructions},
                 {"role": "user", "content": tasks[c]},

@@ -35,6 +35,7 @@ PERCENTILES = (0.5, 0.9, 0.99)
 RULE_PREFIX = "rule:"
 ROUTE_PREFIX = "route:"
 SCHEDULE_PREFIX = "schedule:"
+SOURCE_PREFIX = "source:"
 
 
 def latency_bucket(value_ms: float) -> int:
@@ -70,6 +71,8 @@ class StatsSample:
     """Why the router chose this request's backend (``proxy.routing.REASONS``)."""
     schedule_reason: str | None = None
     """Where on the backend it went, or why it waited (``proxy.scheduling.REASONS``)."""
+    cache_source: str | None = None
+    """llama.cpp: where its cached tokens were expected from (slot, ram, none)."""
 
     @classmethod
     def from_record(
@@ -108,6 +111,7 @@ class StatsSample:
             prefix_label=prefix_label,
             route_reason=_route_reason(record),
             schedule_reason=_schedule_reason(record),
+            cache_source=record.cache_source,
         )
 
     def latencies(self) -> dict[str, float | None]:
@@ -174,6 +178,8 @@ def sample_increments(sample: StatsSample) -> dict[str, float]:
         inc[ROUTE_PREFIX + sample.route_reason] = 1.0
     if sample.schedule_reason:
         inc[SCHEDULE_PREFIX + sample.schedule_reason] = 1.0
+    if sample.cache_source:
+        inc[SOURCE_PREFIX + sample.cache_source] = 1.0
     for metric, value in sample.latencies().items():
         if value is None or not math.isfinite(value) or value < 0:
             continue
@@ -284,6 +290,13 @@ class Tally:
             k[n:]: round(v) for k, v in sorted(self.counts.items()) if k.startswith(SCHEDULE_PREFIX)
         }
 
+    def cache_sources(self) -> dict[str, int]:
+        """llama.cpp: requests by where their cached tokens were expected from (slot, ram...)."""
+        n = len(SOURCE_PREFIX)
+        return {
+            k[n:]: round(v) for k, v in sorted(self.counts.items()) if k.startswith(SOURCE_PREFIX)
+        }
+
     def histogram(self, metric: str) -> list[int]:
         """Counts per latency bucket (one more than ``LATENCY_BOUNDS_MS``: the overflow)."""
         return [round(self.get(f"{metric}:h{i}")) for i in range(len(LATENCY_BOUNDS_MS) + 1)]
@@ -334,6 +347,7 @@ class Tally:
             "rules": self.rules(),
             "routes": self.routes(),
             "schedules": self.schedules(),
+            "cache_sources": self.cache_sources(),
             "latency_ms": {m: self.latency_summary(m) for m in LATENCY_METRICS},
         }
 

@@ -10,7 +10,7 @@ import os
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import pytest
@@ -36,11 +36,13 @@ def smollm2_model() -> str:
 
 
 @contextmanager
-def running_llama_server(*, slots: int = 2, ctx: int = 8192, threads: int = 2) -> Iterator[str]:
+def running_llama_server(
+    *, slots: int = 2, ctx: int = 8192, threads: int = 2, extra: Sequence[str] = ()
+) -> Iterator[str]:
     """A llama-server on a free port; yields its base URL; stops it afterwards.
 
     ``threads``: llama.cpp's compute threads spin, so several servers sharing the machine must
-    split its cores between them, or every one of them crawls.
+    split its cores between them, or every one of them crawls. ``extra``: more flags.
     """
     port = free_port()
     log = open(os.environ.get("LLAMA_SERVER_LOG", os.devnull), "ab")  # noqa: SIM115
@@ -60,6 +62,7 @@ def running_llama_server(*, slots: int = 2, ctx: int = 8192, threads: int = 2) -
             "-t",
             str(threads),
             "--metrics",
+            *extra,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -229,3 +229,22 @@ def test_with_similarity_on_conversations_are_not_herded_onto_one_slot() -> None
         now += 2.0
         slots.append(_send(table, chain(9, 8, tail=c, tail_blocks=6), now)[1])
     assert slots[0] != slots[1]
+
+
+def test_fleet_workload_is_shaped_like_production() -> None:
+    """The fleet bodies: more conversations than slots, tool results last, tools reordered
+    (in one order for the ceiling), the volatile values where the variant puts them."""
+    from bench import workloads
+
+    scale = workloads.Scale(fleet_conversations=3, fleet_turns=3, fleet_system_words=20)
+    fixed = workloads.fleet_bodies(scale, "fixed")
+    plain = workloads.fleet_bodies(scale, "plain")
+    assert len(fixed) == len(plain) == 9
+    assert all(b["messages"][-1]["role"] == "tool" for b in fixed[3:])
+    orders = {tuple(t["function"]["name"] for t in b["tools"]) for b in fixed}
+    assert len(orders) > 1
+    assert len({tuple(t["function"]["name"] for t in b["tools"]) for b in plain}) == 1
+    systems = [b["messages"][0]["content"] for b in fixed]
+    assert systems[0] == systems[3] != systems[1]  # per conversation, stable across turns
+    clock = [b["messages"][0]["content"] for b in workloads.fleet_bodies(scale, "clock")]
+    assert clock[0] != clock[3]  # the clock moves on every request

@@ -461,13 +461,15 @@
         el("td", { class: "num", text: compact(b.requests || 0) }),
         el("td", null, barCell(share, COLORS.predicted)),
         el("td", null, barCell(b.hit_rate_token_weighted, COLORS.measured)),
+        el("td", null, barCell(b.predicted_hit_rate, COLORS.predicted)),
+        el("td", { class: "label", text: routeSummary(b.cache_sources, b.requests) }),
         el("td", { class: "num", text: ms(((b.latency_ms || {}).ttft || {}).p50) }),
         el("td", { class: "num", text: ms(((b.latency_ms || {}).tpot || {}).p50) }),
         el("td", { class: "num", text: pct(b.error_rate) }),
         el("td", { class: "label", text: routeSummary(b.routes, b.requests) }));
     });
     box.appendChild(table(
-      [["Replica"], ["Health"], ["In flight", "num"], ["Requests", "num"], ["Share of requests"], ["Hit rate"], ["TTFT p50", "num"], ["TPOT p50", "num"], ["Errors", "num"], ["Routed by"]],
+      [["Replica"], ["Health"], ["In flight", "num"], ["Requests", "num"], ["Share of requests"], ["Hit rate"], ["Predicted"], ["Cache from"], ["TTFT p50", "num"], ["TPOT p50", "num"], ["Errors", "num"], ["Routed by"]],
       rows, "no backend"));
   }
 
