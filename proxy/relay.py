@@ -31,9 +31,16 @@ import orjson
 from aiohttp import web
 
 from proxy.backends import Dialect, EventKind
+from proxy.backends.apis import MESSAGES
 from proxy.backends.base import COMPLETIONS, NATIVE_COMPLETION
 from proxy.config import Timeouts
-from proxy.errors import BackendTimeout, BackendUnavailable, ProxyError, sse_error_event
+from proxy.errors import (
+    BackendTimeout,
+    BackendUnavailable,
+    ProxyError,
+    anthropic_sse_error_event,
+    sse_error_event,
+)
 from proxy.headers import downstream_response_headers, is_event_stream, upstream_request_headers
 from proxy.records import Observation, monotonic
 from proxy.sse import EventSplitter, event_data
@@ -423,7 +430,8 @@ async def _relay_stream(
     if rest:
         tail.append(rest)
     if failure is not None:
-        tail.append(sse_error_event(failure))
+        anthropic = ex.route == MESSAGES
+        tail.append(anthropic_sse_error_event(failure) if anthropic else sse_error_event(failure))
         upstream.close()
     limit = ex.send_timeout_s
     if (tail and not await _write(request, resp, b"".join(tail), limit)) or not await _write(
