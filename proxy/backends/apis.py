@@ -23,7 +23,8 @@ Messages (``/v1/messages``)
     A stream opens with ``message_start`` (the message with its usage so far), then
     ``content_block_delta`` events (``text_delta`` and ``input_json_delta`` visible,
     ``thinking_delta`` not; ``signature_delta`` is no token), ``message_delta`` with the final
-    usage (llama-server: ``output_tokens`` only) and ``message_stop``; ``error`` is an error.
+    usage (llama-server: ``output_tokens`` only) and ``message_stop``; an ``error`` event is an
+    error (llama-server's carries its own error object, ``"type": "server_error"``).
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ def _messages_event(kind: Any, obj: Mapping[str, Any], obs: Observation) -> Even
         if isinstance(usage, Mapping):
             read_messages_usage(usage, obs)
         return EventKind.OTHER
-    if kind == "error" or (kind is None and "error" in obj):
+    # ``event: error``: Anthropic's ``{"type": "error", ...}``; llama-server sends its own error
+    # object there (``{"code", "message", "type": "server_error"}``).
+    if (isinstance(kind, str) and kind.endswith("error")) or "error" in obj:
         return EventKind.ERROR
     return EventKind.OTHER
