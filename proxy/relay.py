@@ -31,7 +31,7 @@ import orjson
 from aiohttp import web
 
 from proxy.backends import Dialect, EventKind
-from proxy.backends.apis import MESSAGES
+from proxy.backends.apis import MESSAGES, RESPONSES
 from proxy.backends.base import COMPLETIONS, NATIVE_COMPLETION
 from proxy.config import Timeouts
 from proxy.errors import (
@@ -260,13 +260,36 @@ _NEWS = (b'"usage"', b'"timings"', b'"error"')
 """Keys that make an event worth parsing: usage, timings or an error to read."""
 
 
+# The Responses and Messages APIs: an ``event:`` line, then the data line of a visible token.
+_API_TOKENS: dict[str, tuple[bytes, bytes, bytes]] = {
+    RESPONSES: (b"event: response.output_text.delta\ndata: {", b'"delta":"', b""),
+    MESSAGES: (b"event: content_block_delta\ndata: {", b'"text":"', b'"type":"text_delta"'),
+}
+
+
+def _plain_api_event(event: bytes, head: bytes, pattern: bytes, marker: bytes) -> bool:
+    if not event.startswith(head) or event.find(b"\n", len(head)) < len(event) - 2:
+        return False  # not exactly the event line and one data line ending in "\n\n"
+    if marker and marker not in event:
+        return False
+    for key in _NEWS:
+        if key in event:
+            return False
+    at = event.find(pattern)
+    return at >= 0 and event[at + len(pattern) : at + len(pattern) + 1] != b'"'
+
+
 def plain_token_event(event: bytes, route: str) -> bool:
     """True when ``event`` is certainly one ``data:`` line carrying a token and nothing else.
 
     Such events are most of a stream and need no parsing once the first visible token has been
     timed: every other event (a finish reason, usage, timings, an error, several data lines,
-    anything unexpected) answers False and is parsed as before.
+    anything unexpected) answers False and is parsed as before. On the Responses and Messages
+    routes, the event is a text delta: its ``event:`` line and one data line.
     """
+    api = _API_TOKENS.get(route)
+    if api is not None:
+        return _plain_api_event(event, *api)
     if not event.startswith(b"data: {") or event.find(b"\n") < len(event) - 2:
         return False  # not one data line ending in a blank line ("\n\n")
     if route == NATIVE_COMPLETION:
