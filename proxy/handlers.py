@@ -229,7 +229,7 @@ async def _attempt(
     try:
         body = dict(out.body)
         edited = out.changed
-        if out.tenant is not None and ex.dialect.partition_cache(body, out.tenant):
+        if out.tenant is not None and ex.dialect.partition_cache(body, out.tenant, ex.route):
             edited = True
         ex.strip_usage = ex.dialect.prepare(ex.route, body, stream=ex.stream)
         # Where on the replica it goes (llama.cpp slot) and when (coalescing); may wait. A

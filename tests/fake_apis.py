@@ -249,9 +249,13 @@ def messages_stream(
     tokens: list[str],
     start_usage: Mapping[str, Any],
     final_usage: Mapping[str, Any],
-) -> tuple[list[bytes], list[bytes]]:
-    """(one write per token, the closing events): ``message_start`` rides on the first token,
-    as llama-server sends it; ``message_delta`` carries ``final_usage``."""
+    *,
+    start_alone: bool = False,
+) -> tuple[list[bytes], list[bytes], list[bytes]]:
+    """(what precedes the tokens, one write per token, the closing events): ``message_start``
+    rides on the first token, as llama-server sends it, or (``start_alone``, vLLM) comes first
+    on its own; ``message_delta`` carries ``final_usage``."""
+    lead: list[bytes] = []
     writes: list[bytes] = []
     text_index = 1 if thinking else 0
     pieces = [("thinking", t) for t in thinking] + [("text", t) for t in tokens]
@@ -268,7 +272,11 @@ def messages_stream(
                 "stop_sequence": None,
                 "usage": dict(start_usage),
             }
-            out += api_event("message_start", {"type": "message_start", "message": message})
+            start = api_event("message_start", {"type": "message_start", "message": message})
+            if start_alone:
+                lead.append(start)
+            else:
+                out += start
         first_of_kind = (kind == "thinking" and i == 0) or (kind == "text" and i == len(thinking))
         index = 0 if kind == "thinking" else text_index
         if first_of_kind:
@@ -314,4 +322,4 @@ def messages_stream(
         )
     )
     tail.append(api_event("message_stop", {"type": "message_stop"}))
-    return writes, tail
+    return lead, writes, tail

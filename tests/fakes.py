@@ -244,7 +244,9 @@ class FakeBackend:
             start, final, whole = self._messages_usage(prompt, cached, n_out)
             if not stream:
                 return web.json_response(messages_answer(MODEL, thinking, text, whole))
-            writes, tail = messages_stream(MODEL, k.reasoning, k.tokens, start, final)
+            lead, writes, tail = messages_stream(
+                MODEL, k.reasoning, k.tokens, start, final, start_alone=self.messages_start_alone
+            )
         else:
             usage = responses_usage(prompt, self._responses_cached(cached), n_out)
             if not stream:
@@ -252,14 +254,17 @@ class FakeBackend:
                     responses_answer(MODEL, thinking, text, usage, self._created)
                 )
             timings = self._api_timings(prompt - cached, cached, n_out)
+            lead: list[bytes] = []
             writes, tail = responses_stream(
                 MODEL, k.reasoning, k.tokens, usage, self._created, timings=timings
             )
+        if anthropic:
+            tail += self._messages_stream_end()
         return await self._run_stream(
             request,
             writes + tail,
             token_events=len(writes),
-            lead=[],
+            lead=lead,
             error_event=self._api_error_event(anthropic),
             error_tail=b"",
         )
@@ -281,6 +286,13 @@ class FakeBackend:
     def _api_timings(self, prompt_n: int, cache_n: int, predicted_n: int) -> dict[str, Any] | None:
         """``timings`` on ``response.completed`` (llama.cpp only)."""
         return None
+
+    def _messages_stream_end(self) -> list[bytes]:
+        """What follows ``message_stop`` (vLLM: ``[DONE]``; llama-server: nothing)."""
+        return []
+
+    # vLLM sends ``message_start`` on its first chunk, before any token; llama-server with it.
+    messages_start_alone = False
 
     def _api_error_event(self, anthropic: bool) -> bytes:
         """The mid-stream error event of a Responses or Messages stream."""
@@ -866,6 +878,11 @@ class VllmFake(FakeBackend):
 
     def _responses_cached(self, cached: int) -> int | None:
         return cached if self.prompt_tokens_details else None
+
+    def _messages_stream_end(self) -> list[bytes]:
+        return [DONE]  # vLLM's Messages stream is its chat stream converted: [DONE] stays
+
+    messages_start_alone = True
 
     def _messages_usage(
         self, prompt: int, cached: int, output: int

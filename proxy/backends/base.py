@@ -84,11 +84,14 @@ class Dialect:
         body["stream_options"] = new_opts
         return True
 
-    def partition_cache(self, body: MutableMapping[str, Any], tenant: str) -> bool:
+    def partition_cache(
+        self, body: MutableMapping[str, Any], tenant: str, route: str = CHAT
+    ) -> bool:
         """Put this request in ``tenant``'s partition of the backend's prefix cache.
 
         Returns True when the body was changed. A backend with no way to partition its cache
-        per request (llama.cpp) leaves the body alone: its isolation is by replica only.
+        per request (llama.cpp; vLLM on ``route`` MESSAGES) leaves the body alone: its isolation
+        is by replica only.
         """
         return False
 

@@ -353,3 +353,50 @@ async def test_responses_are_placed_on_a_slot_and_messages_are_not(
     assert fake.last_body is not None and "id_slot" not in fake.last_body
     rec = await records.wait(2)
     assert rec.cached_tokens is not None
+
+
+async def test_vllm_messages_stream_keeps_its_done(
+    vllm_fake: VllmFake, make_proxy: MakeProxy
+) -> None:
+    """vLLM ends its Messages stream with ``[DONE]`` after ``message_stop``: relayed as sent."""
+    client, records, _ = await make_proxy(vllm_fake.url)
+    async with client.post("/v1/messages", json=messages_body("hi", stream=True)) as resp:
+        data = await resp.read()
+    assert data.startswith(b"event: message_start\n")
+    assert data.endswith(b'data: {"type":"message_stop"}\n\ndata: [DONE]\n\n')
+    rec = await records.wait()
+    assert rec.error is None and rec.completion_tokens == 5 and rec.ttfvt_ms is not None
+
+
+async def test_vllm_tenant_salt_only_where_the_route_takes_it(
+    vllm_fake: VllmFake, make_proxy: MakeProxy
+) -> None:
+    """A tenant's vLLM Responses request is salted; its Messages request (no such field on
+    vLLM's Messages route) is not."""
+    client, _, _ = await make_proxy(vllm_fake.url, api_keys=("key-a",))
+    headers = {"Authorization": "Bearer key-a"}
+    async with client.post("/v1/responses", json=responses_body("hi"), headers=headers) as r:
+        assert r.status == 200
+    assert vllm_fake.last_body is not None and len(vllm_fake.last_body["cache_salt"]) == 64
+    async with client.post("/v1/messages", json=messages_body("hi"), headers=headers) as r:
+        assert r.status == 200
+    assert vllm_fake.last_body is not None and "cache_salt" not in vllm_fake.last_body
+
+
+async def test_anthropic_key_header_authenticates_and_is_not_forwarded(
+    llama_fake: LlamaFake, make_proxy: MakeProxy
+) -> None:
+    """With client keys, ``x-api-key`` (the Anthropic SDK's header) is accepted and removed;
+    a wrong one is a 401 in Anthropic's shape."""
+    client, _, _ = await make_proxy(llama_fake.url, api_keys=("key-a",))
+    async with client.post(
+        "/v1/messages", json=messages_body("hi"), headers={"x-api-key": "key-a"}
+    ) as resp:
+        assert resp.status == 200
+    assert "x-api-key" not in llama_fake.last_headers
+    async with client.post(
+        "/v1/messages", json=messages_body("hi"), headers={"x-api-key": "wrong"}
+    ) as resp:
+        assert resp.status == 401
+        got = await resp.json()
+    assert got["type"] == "error" and got["error"]["type"] == "authentication_error"

@@ -11,6 +11,7 @@ from proxy.backends import MESSAGES, RESPONSES, Dialect, EventKind, LlamaCppDial
 from proxy.backends.apis import classify_api_event, read_api_response, read_messages_usage
 from proxy.errors import BadRequest, anthropic_error_body
 from proxy.fingerprint import fingerprint, render
+from proxy.prefixes import prefix_label
 from proxy.records import Observation
 from proxy.relay import plain_token_event
 from proxy.validation import validate_inference
@@ -293,3 +294,13 @@ def test_anthropic_error_types_by_status() -> None:
 def test_plain_api_token_events(route: str, event: bytes, plain: bool) -> None:
     """Only a lone visible text delta of either API skips parsing; anything else is parsed."""
     assert plain_token_event(event, route) is plain
+
+
+def test_prefix_labels_of_both_apis() -> None:
+    """The label of a Responses or Messages prefix is the start of its system text."""
+    same = str
+    assert prefix_label({"instructions": "You are Aria.", "input": "hi"}, same) == "You are Aria."
+    assert prefix_label({"input": [{"role": "user", "content": "Hello"}]}, same) == "Hello"
+    assert prefix_label({"input": "Just this"}, same) == "Just this"
+    system = [{"type": "text", "text": "You are Claude Code."}]
+    assert prefix_label({"system": system, "messages": []}, same) == "You are Claude Code."
