@@ -34,7 +34,11 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web
 from aiohttp.test_utils import TestClient
-from fake_apis import (
+
+from proxy.config import BackendSpec, HealthChecks
+from proxy.records import RequestRecord
+from proxy.routing import RoutingConfig
+from tests.fake_apis import (
     anthropic_to_chat,
     api_event,
     messages_answer,
@@ -44,10 +48,6 @@ from fake_apis import (
     responses_to_chat,
     responses_usage,
 )
-
-from proxy.config import BackendSpec, HealthChecks
-from proxy.records import RequestRecord
-from proxy.routing import RoutingConfig
 
 MODEL = "fake-model"
 DONE = b"data: [DONE]\n\n"

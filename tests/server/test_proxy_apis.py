@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
 import pytest
 from fakes import Knobs, LlamaFake, MakeProxy, SlotLlamaFake, VllmFake, serve
+from prometheus_client import generate_latest
+
+from proxy.admin import METRICS
+from proxy.admin.stats import build_stats, parse_query
+from proxy.state import STATE
 
 # A shared instruction of 40 words: the cache holds it from the second request on.
 SYSTEM = " ".join(f"rule{i}" for i in range(40))
@@ -400,3 +406,29 @@ async def test_anthropic_key_header_authenticates_and_is_not_forwarded(
         assert resp.status == 401
         got = await resp.json()
     assert got["type"] == "error" and got["error"]["type"] == "authentication_error"
+
+
+async def test_stats_and_metrics_count_both_apis(
+    llama_fake: LlamaFake, make_proxy: MakeProxy
+) -> None:
+    """/stats and the Prometheus counters read these routes' records as they read chat's."""
+    client, records, app = await make_proxy(llama_fake.url)
+    for q in ("one", "two"):
+        async with client.post("/v1/responses", json=responses_body(q, stream=True)) as resp:
+            await resp.read()
+        async with client.post("/v1/messages", json=messages_body(q)) as resp:
+            await resp.read()
+    recs = [await records.wait(i) for i in range(1, 5)]
+    await app[STATE].writer.drain()
+    totals = (await build_stats(app[STATE], parse_query({}), now=time.time()))["totals"]
+    assert totals["requests"] == 4
+    assert totals["prompt_tokens"] == sum(r.prompt_tokens or 0 for r in recs)
+    assert totals["cached_tokens"] == sum(r.cached_tokens or 0 for r in recs) > 0
+    assert totals["cached_reported_requests"] == 4
+    text = generate_latest(app[METRICS].registry).decode()
+    counted = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("prefixgate_cached_tokens_total{")
+    ]
+    assert sum(counted) == sum(r.cached_tokens or 0 for r in recs)
