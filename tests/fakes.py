@@ -509,6 +509,7 @@ class LlamaFake(FakeBackend):
         router.add_get("/props", self.props)
         router.add_post("/completion", self.native)
         router.add_get("/slots", self.slots)
+        router.add_post("/responses", self.responses)  # llama-server's alias of /v1/responses
 
     def reject_message(self) -> str:
         return "the request exceeds the context size"
@@ -1107,7 +1108,7 @@ class SlotLlamaFake(LlamaFake):
         body = await self._peek(request)
         if body is None:
             return await handler(request)
-        if request.path == "/v1/responses":
+        if request.path in ("/v1/responses", "/responses"):
             words = prompt_words(responses_to_chat(body))
         elif request.path == "/v1/messages":
             words = prompt_words(anthropic_to_chat(body))

@@ -432,3 +432,15 @@ async def test_stats_and_metrics_count_both_apis(
         if line.startswith("prefixgate_cached_tokens_total{")
     ]
     assert sum(counted) == sum(r.cached_tokens or 0 for r in recs)
+
+
+async def test_responses_alias_is_observed_too(
+    llama_fake: LlamaFake, make_proxy: MakeProxy
+) -> None:
+    """``/responses`` (llama-server's alias) is the same inference route, forwarded as sent."""
+    client, records, _ = await make_proxy(llama_fake.url)
+    async with client.post("/responses", json=responses_body("hi", stream=True)) as resp:
+        assert resp.status == 200
+        await resp.read()
+    rec = await records.wait()
+    assert rec.route == "/responses" and rec.prompt_tokens == 43 and rec.ttfvt_ms is not None
