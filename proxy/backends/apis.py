@@ -10,8 +10,8 @@ Responses (``/v1/responses``)
     events; ``response.output_text.delta``, ``response.refusal.delta`` and
     ``response.function_call_arguments.delta`` are visible tokens, ``response.reasoning_text.
     delta`` and ``response.reasoning_summary_text.delta`` are tokens the user does not see, and
-    ``response.completed`` (or ``response.incomplete`` / ``response.failed``) carries the
-    response with its usage. An ``error`` event, or a ``data: {"error": ...}`` one (llama.cpp's
+    ``response.completed`` (or ``response.incomplete`` / ``response.failed``, which is also an
+    error) carries the response with its usage. An ``error`` event, or a ``data: {"error": ...}`` one (llama.cpp's
     mid-stream failure), is an error.
 
 Messages (``/v1/messages``)
@@ -118,7 +118,7 @@ def _responses_event(kind: Any, obj: Mapping[str, Any], obs: Observation) -> Eve
         usage = response.get("usage") if isinstance(response, Mapping) else None
         if isinstance(usage, Mapping):
             read_responses_usage(usage, obs)
-        return EventKind.OTHER
+        return EventKind.ERROR if kind == "response.failed" else EventKind.OTHER
     if kind == "error" or (kind is None and "error" in obj):
         return EventKind.ERROR
     return EventKind.OTHER

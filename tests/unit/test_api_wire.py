@@ -31,6 +31,8 @@ def obs() -> Observation:
         ({"type": "response.created", "response": {}}, EventKind.OTHER),
         ({"type": "error", "code": "server_error", "message": "x"}, EventKind.ERROR),
         ({"error": {"code": 500, "message": "x"}}, EventKind.ERROR),
+        ({"type": "response.failed", "response": {"status": "failed"}}, EventKind.ERROR),
+        ({"type": "response.incomplete", "response": {}}, EventKind.OTHER),
     ],
 )
 def test_responses_events(event: dict[str, Any], kind: EventKind) -> None:
