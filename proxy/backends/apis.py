@@ -11,8 +11,8 @@ Responses (``/v1/responses``)
     ``response.function_call_arguments.delta`` are visible tokens, ``response.reasoning_text.
     delta`` and ``response.reasoning_summary_text.delta`` are tokens the user does not see, and
     ``response.completed`` (or ``response.incomplete`` / ``response.failed``, which is also an
-    error) carries the response with its usage. An ``error`` event, or a ``data: {"error": ...}`` one (llama.cpp's
-    mid-stream failure), is an error.
+    error) carries the response with its usage. An ``error`` event, or a ``data: {"error": ...}``
+    one (llama.cpp's mid-stream failure), is an error.
 
 Messages (``/v1/messages``)
     ``usage.input_tokens`` is the prompt *not* read from or written to cache;
