@@ -296,7 +296,8 @@ def _parts(content: Any) -> bytes:
         return b"" if content is None else _json(content)
     out: list[bytes] = []
     for part in content:
-        if type(part) is dict and part.get("type") in _TEXT_PARTS and type(part.get("text")) is str:
+        kind = part.get("type") if type(part) is dict else None
+        if type(kind) is str and kind in _TEXT_PARTS and type(part.get("text")) is str:
             out.append(_text(part["text"]))
         else:
             out.append(_json(_unmarked(part)))

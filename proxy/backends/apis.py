@@ -103,6 +103,8 @@ def read_api_response(route: str, obj: Mapping[str, Any], obs: Observation) -> N
 def classify_api_event(route: str, obj: Mapping[str, Any], obs: Observation) -> EventKind:
     """One Responses or Messages stream event (its ``data`` object), usage read on the way."""
     kind = obj.get("type")
+    if type(kind) is not str:  # any JSON value may come; only a string names an event
+        kind = None
     if route == RESPONSES:
         return _responses_event(kind, obj, obs)
     return _messages_event(kind, obj, obs)
@@ -130,6 +132,8 @@ def _messages_event(kind: Any, obj: Mapping[str, Any], obs: Observation) -> Even
         if not isinstance(delta, Mapping):
             return EventKind.OTHER
         dtype = delta.get("type")
+        if type(dtype) is not str:
+            return EventKind.OTHER
         if dtype in MESSAGES_VISIBLE:
             text = delta.get("text") if dtype == "text_delta" else delta.get("partial_json")
             return EventKind.VISIBLE if _nonempty(text) else EventKind.OTHER

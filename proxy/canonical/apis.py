@@ -214,7 +214,8 @@ def _content_slots(path: Path, content: Any, text_parts: frozenset[str]) -> Iter
         for j, part in enumerate(content):
             if (
                 type(part) is dict
-                and part.get("type") in text_parts
+                and type(part.get("type")) is str
+                and part["type"] in text_parts
                 and isinstance(part.get("text"), str)
             ):
                 yield TextSlot((*path, j, "text"), part["text"], False)

@@ -9,6 +9,7 @@ import pytest
 
 from proxy.backends import MESSAGES, RESPONSES, Dialect, EventKind, LlamaCppDialect
 from proxy.backends.apis import classify_api_event, read_api_response, read_messages_usage
+from proxy.canonical import Canonicalizer
 from proxy.errors import BadRequest, anthropic_error_body
 from proxy.fingerprint import fingerprint, render
 from proxy.prefixes import prefix_label
@@ -306,3 +307,15 @@ def test_prefix_labels_of_both_apis() -> None:
     assert prefix_label({"input": "Just this"}, same) == "Just this"
     system = [{"type": "text", "text": "You are Claude Code."}]
     assert prefix_label({"system": system, "messages": []}, same) == "You are Claude Code."
+
+
+def test_unhashable_types_never_raise() -> None:
+    """A part or event whose ``type`` is a list (any JSON may come) is rendered, canonicalized
+    and classified, never a crash."""
+    body = {"model": "m", "system": [{"type": [], "text": "x"}], "messages": []}
+    assert fingerprint(MESSAGES, body).total_bytes > 0
+    result = Canonicalizer().apply(MESSAGES, body)
+    assert result.body is body
+    event = {"type": "content_block_delta", "delta": {"type": ["text_delta"], "text": "a"}}
+    assert classify_api_event(MESSAGES, event, obs()) is EventKind.OTHER
+    assert classify_api_event(RESPONSES, {"type": ["x"]}, obs()) is EventKind.OTHER

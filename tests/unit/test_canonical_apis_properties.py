@@ -12,10 +12,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.api_validation import validate_api
+from proxy.backends.apis import MESSAGES_VISIBLE, RESPONSES_VISIBLE, classify_api_event
 from proxy.canonical import CanonicalConfig, Canonicalizer
 from proxy.canonical.apis import MESSAGES_KIND, frozen_through
 from proxy.errors import BadRequest
 from proxy.fingerprint import fingerprint
+from proxy.records import Observation
 from tests.unit.test_canonical_properties import (
     PROPERTIES,
     any_json,
@@ -159,3 +161,36 @@ def test_nothing_before_the_last_breakpoint_changes(
     assert orjson.dumps(out["messages"][: frozen + 1]) == orjson.dumps(
         body["messages"][: frozen + 1]
     )
+
+
+@PROPERTIES
+@given(pair=api_body)
+def test_shaped_bodies_fingerprint_and_validate(pair: tuple[str, dict[str, Any]]) -> None:
+    """API-shaped bodies with odd values inside (a part whose type is a list…): fingerprinting
+    never raises, and validation raises nothing but a 400."""
+    route, body = pair
+    fingerprint(route, body)
+    with contextlib.suppress(BadRequest):
+        validate_api(route, body)
+
+
+event_value = st.one_of(st.sampled_from(sorted(RESPONSES_VISIBLE | MESSAGES_VISIBLE)), any_json)
+
+
+@PROPERTIES
+@given(
+    route=st.sampled_from([RESPONSES, MESSAGES]),
+    obj=st.dictionaries(
+        st.sampled_from(["type", "delta", "usage", "message", "response", "error", "text"]),
+        st.one_of(
+            event_value,
+            st.dictionaries(
+                st.sampled_from(["type", "text", "usage", "input_tokens"]), event_value
+            ),
+        ),
+        max_size=4,
+    ),
+)
+def test_stream_events_never_raise(route: str, obj: dict[str, Any]) -> None:
+    """Any JSON object as a stream event's data: classified, never an exception."""
+    classify_api_event(route, obj, Observation(t_start=0.0))
