@@ -1,11 +1,12 @@
 """Client authentication and tenants.
 
 With API keys configured (``--api-key`` repeated, or ``--api-keys-file``), every request outside
-the health and admin routes must carry ``Authorization: Bearer <key>``; anything else is a 401 in
-the OpenAI error shape. The presented key is hashed with SHA-256 and its digest compared with
+the health and admin routes must carry ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``,
+as the Anthropic SDK sends it); anything else is a 401 in the OpenAI error shape (Anthropic's on
+its Messages route). The presented key is hashed with SHA-256 and its digest compared with
 every configured key's digest by ``hmac.compare_digest`` (no early exit), so the time taken does
-not depend on how much of a key an attacker guessed right. The client's key is never forwarded:
-the backend sees the proxy's own ``--backend-api-key`` or no Authorization at all.
+not depend on how much of a key an attacker guessed right. The client's key is never forwarded
+(neither header): the backend sees the proxy's own ``--backend-api-key`` or no Authorization.
 
 A **tenant** is derived from the key (its name in the keys file, else ``key-`` and the first 12
 hex digits of its digest) and, when ``--tenant-header`` is set, refined by that header: behind one
@@ -52,10 +53,12 @@ from aiohttp import hdrs, web
 from aiohttp.typedefs import Middleware
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.errors import BadRequest, Unauthorized
-from proxy.state import TENANT
+from proxy.backends.apis import MESSAGES
+from proxy.errors import BadRequest, ProxyError, Unauthorized, anthropic_error_response
+from proxy.state import REQUEST_ID, TENANT
 from proxy.store import DEFAULT_NAMESPACE
 
+X_API_KEY = "X-Api-Key"  # how the Anthropic SDK sends its key; taken like a bearer token
 _TENANT_OK = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")
 # A decoded path: RFC 3986 unreserved and sub-delims but ";", then ":" "@" and "/".
 _PATH_OK = re.compile(r"/[A-Za-z0-9\-._~!$&'()*+,=:@/]*")
@@ -215,19 +218,30 @@ def auth_middleware(
         if resource is not None and resource.canonical in exempt:
             return await handler(request)
         header_value = request.headers.get(tenant_header) if tenant_header else None
+        authorization = request.headers.get(hdrs.AUTHORIZATION)
+        api_key = request.headers.get(X_API_KEY)
+        if authorization is None and api_key is not None:  # the Anthropic SDK's header
+            authorization = f"Bearer {api_key}"
+        anthropic = request.path == MESSAGES
         try:
-            tenant = tenant_of(
-                keys,
-                authorization=request.headers.get(hdrs.AUTHORIZATION),
-                tenant_header_value=header_value,
-            )
+            tenant = tenant_of(keys, authorization=authorization, tenant_header_value=header_value)
         except ValueError as exc:
-            raise BadRequest(str(exc), param=tenant_header) from exc
+            failure: ProxyError = BadRequest(str(exc), param=tenant_header)
+            if anthropic:
+                return anthropic_error_response(failure, request_id=request.get(REQUEST_ID))
+            raise failure from exc
         if tenant is None:
-            raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
+            failure = Unauthorized(
+                "missing or invalid API key: send 'Authorization: Bearer <key>'"
+                + (" or 'x-api-key: <key>'" if anthropic else "")
+            )
+            if anthropic:
+                return anthropic_error_response(failure, request_id=request.get(REQUEST_ID))
+            raise failure
         if keys.enabled:
             headers = CIMultiDict(request.headers)
             headers.popall(hdrs.AUTHORIZATION, None)
+            headers.popall(X_API_KEY, None)
             request = request.clone(headers=CIMultiDictProxy(headers))
         request[TENANT] = tenant
         return await handler(request)

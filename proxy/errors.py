@@ -1,8 +1,9 @@
 """prefixgate's own errors, and how they leave the proxy.
 
 Every failure that is the proxy's own (not a status the backend sent) leaves in the OpenAI error
-shape ``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status. Upstream
-statuses and bodies pass through untouched and never become one of these.
+shape ``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status; on the
+Anthropic Messages route in Anthropic's, ``{"type": "error", "error": {"type", "message"}}``.
+Upstream statuses and bodies pass through untouched and never become one of these.
 
     ProxyError                      base; carries status, type, code
     ├── BadRequest                  400 invalid_request_error (malformed JSON, non-object body…)
@@ -140,3 +141,41 @@ def error_response(
 def sse_error_event(exc: ProxyError) -> bytes:
     """A mid-stream error as an SSE event, the way OpenAI-compatible servers send one."""
     return b"data: " + orjson.dumps(exc.body()) + b"\n\n"
+
+
+# The Anthropic Messages API's error types by status (its own error shape, below).
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """The Anthropic error envelope: ``{"type": "error", "error": {"type", "message"}}``."""
+    kind = ANTHROPIC_ERROR_TYPES.get(status)
+    if kind is None:
+        kind = "invalid_request_error" if status < 500 else "api_error"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def anthropic_error_response(exc: ProxyError, *, request_id: str | None = None) -> web.Response:
+    """``exc`` as the Anthropic Messages API reports an error, with the same status."""
+    headers = {"X-Request-Id": request_id, "Request-Id": request_id} if request_id else None
+    return web.Response(
+        status=exc.status,
+        body=orjson.dumps(anthropic_error_body(exc.status, exc.message)),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def anthropic_sse_error_event(exc: ProxyError) -> bytes:
+    """A mid-stream error as an Anthropic stream sends one (``event: error``)."""
+    data = orjson.dumps(anthropic_error_body(exc.status, exc.message))
+    return b"event: error\ndata: " + data + b"\n\n"

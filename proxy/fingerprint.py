@@ -70,6 +70,8 @@ _END_LEN = len(SEGMENT_END)
 
 CHAT_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions"})
 COMPLETION_ROUTES = frozenset({"/v1/completions", "/completions", "/completion"})
+RESPONSES_ROUTES = frozenset({"/v1/responses", "/responses"})
+MESSAGES_ROUTES = frozenset({"/v1/messages"})
 SYSTEM_ROLES = frozenset({"system", "developer"})
 
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -275,11 +277,73 @@ def _render_prompt(out: _Builder, body: Mapping[str, Any]) -> None:
         out.add("prompt", _json(prompt))
 
 
+# Content parts rendered as their text: chat's, Responses' input and output text, Anthropic's.
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+CACHE_MARKER = "cache_control"
+
+
+def _unmarked(value: Any) -> Any:
+    """An object without its Anthropic ``cache_control`` breakpoint: the template never sees
+    it, and clients move it to the newest message on every turn."""
+    if type(value) is dict and CACHE_MARKER in value:
+        return {k: v for k, v in value.items() if k != CACHE_MARKER}
+    return value
+
+
+def _parts(content: Any) -> bytes:
+    """Content of the Responses and Messages APIs: a string, or parts (text parts as text)."""
+    if type(content) is str:
+        return _text(content)
+    if not isinstance(content, list):
+        return b"" if content is None else _json(content)
+    out: list[bytes] = []
+    for part in content:
+        kind = part.get("type") if type(part) is dict else None
+        if type(kind) is str and kind in _TEXT_PARTS and type(part.get("text")) is str:
+            out.append(_text(part["text"]))
+        else:
+            out.append(_json(_unmarked(part)))
+    return PART_SEP.join(out)
+
+
+def _turn(item: Any) -> tuple[str, bytes]:
+    """A Responses input item or an Anthropic message: a message as role and content, any
+    other item (function call, call output, reasoning) as compact JSON."""
+    if type(item) is not dict or "role" not in item or item.get("type", "message") != "message":
+        return "message", _json(_unmarked(item))
+    role = item.get("role")
+    kind = "system" if type(role) is str and role in SYSTEM_ROLES else "message"
+    return kind, _scalar(role) + FIELD_SEP + _parts(item.get("content"))
+
+
+def _render_api(out: _Builder, body: Mapping[str, Any], *, responses: bool) -> None:
+    """Responses: tools, ``instructions``, each ``input`` item. Messages: tools, ``system``,
+    each message. The order in which the server's template prints them."""
+    tools = body.get("tools")
+    if tools is not None:
+        out.add("tools", _json([_unmarked(t) for t in tools] if type(tools) is list else tools))
+    system = body.get("instructions" if responses else "system")
+    if system is not None:
+        out.add("system", b"system" + FIELD_SEP + _parts(system))
+    turns = body.get("input" if responses else "messages")
+    if type(turns) is str:
+        out.add("message", b"user" + FIELD_SEP + _text(turns))
+    elif type(turns) is list:
+        add = out.add
+        for item in turns:
+            add(*_turn(item))
+    elif turns is not None:
+        out.add("message", _json(turns))
+
+
 def render(route: str, body: Mapping[str, Any]) -> Rendered:
     """Render a request body to the byte string the fingerprint hashes.
 
     Chat routes render model, tools, then each message; completion routes (OpenAI
-    ``/v1/completions`` and llama.cpp's native ``/completion``) render model then the prompt.
+    ``/v1/completions`` and llama.cpp's native ``/completion``) render model then the prompt;
+    the Responses API model, tools, ``instructions``, then each ``input`` item, and the
+    Anthropic Messages API model, tools, ``system``, then each message (``cache_control``
+    markers left out: the template does not see them).
     Any other route is rendered by what the body holds (``messages`` or ``prompt``), and a body
     with neither as one compact-JSON prompt segment.
     """
@@ -290,6 +354,8 @@ def render(route: str, body: Mapping[str, Any]) -> Rendered:
         _render_chat(out, body)
     elif route in COMPLETION_ROUTES:
         _render_prompt(out, body)
+    elif route in RESPONSES_ROUTES or route in MESSAGES_ROUTES:
+        _render_api(out, body, responses=route in RESPONSES_ROUTES)
     elif "messages" in body:
         _render_chat(out, body)
     elif "prompt" in body:

@@ -19,9 +19,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.backends import CHAT, COMPLETIONS, NATIVE_COMPLETION
+from proxy.backends import CHAT, COMPLETIONS, MESSAGES, NATIVE_COMPLETION, RESPONSES
 from proxy.canonical import CanonicalResult
-from proxy.errors import BackendUnavailable, NotFound, ProxyError
+from proxy.errors import BackendUnavailable, NotFound, ProxyError, anthropic_error_response
 from proxy.fleet import Replica
 from proxy.log import get_logger
 from proxy.prefixes import PrefixView, prefix_label
@@ -52,6 +52,9 @@ INFERENCE_PATHS = {
     "/v1/completions": COMPLETIONS,
     "/completions": COMPLETIONS,
     "/completion": NATIVE_COMPLETION,
+    "/v1/responses": RESPONSES,
+    "/responses": RESPONSES,
+    "/v1/messages": MESSAGES,
 }
 
 
@@ -135,6 +138,8 @@ async def inference(request: web.Request) -> web.StreamResponse:
         ex.status, ex.error = exc.status, exc.type
         if target is not None and isinstance(exc, BackendUnavailable | BackendConnectTimeout):
             state.fleet.report_failure(target.replica, exc.message)
+        if route == MESSAGES:
+            return anthropic_error_response(exc, request_id=ex.request_id)
         return exc.to_response(request_id=ex.request_id)
     except asyncio.CancelledError:
         ex.status, ex.error = CLIENT_CLOSED, "client_disconnected"
@@ -224,12 +229,14 @@ async def _attempt(
     try:
         body = dict(out.body)
         edited = out.changed
-        if out.tenant is not None and ex.dialect.partition_cache(body, out.tenant):
+        if out.tenant is not None and ex.dialect.partition_cache(body, out.tenant, ex.route):
             edited = True
         ex.strip_usage = ex.dialect.prepare(ex.route, body, stream=ex.stream)
-        # Where on the replica it goes (llama.cpp slot) and when (coalescing); may wait.
+        # Where on the replica it goes (llama.cpp slot) and when (coalescing); may wait. A
+        # route on which the server ignores a slot id is not placed (the server chooses).
+        placed = view if ex.dialect.carries_slot(ex.route) else None
         ticket = await state.scheduler.admit(
-            ex, replica, view, body, model=out.model, stream=ex.stream
+            ex, replica, placed, body, model=out.model, stream=ex.stream
         )
         ex.on_first_token = ticket.first_token
         edited = edited or ticket.body_changed
@@ -308,7 +315,8 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     if mode == "off" or (mode == "read-only" and request.method not in IDEMPOTENT_METHODS):
         raise NotFound(
             f"{request.method} {request.path} is not forwarded by this proxy "
-            f"(--passthrough {mode}); it serves chat, completions and /completion"
+            f"(--passthrough {mode}); it serves chat, completions, /completion, "
+            "responses and messages"
         )
     limit, idle_s = state.settings.max_body_bytes, state.settings.timeouts.client
     body = await read_body(request, limit, idle_s=idle_s) if request.can_read_body else None

@@ -74,11 +74,22 @@ def prefix_label(body: Mapping[str, Any], redact: Callable[[str], str]) -> str |
     whitespace, so a secret is either redacted whole or not in the label at all."""
     text: Any = None
     messages = body.get("messages")
-    if isinstance(messages, list) and messages and isinstance(messages[0], Mapping):
+    if messages is None:
+        messages = body.get("input")  # the Responses API's conversation
+    system = body.get("instructions", body.get("system"))  # Responses, Anthropic Messages
+    if system is not None:
+        messages = [{"role": "system", "content": system}]
+    if isinstance(messages, str):
+        text = messages
+    elif isinstance(messages, list) and messages and isinstance(messages[0], Mapping):
         text = messages[0].get("content")
         if isinstance(text, list):  # content parts: the first text part
             text = next(
-                (p.get("text") for p in text if isinstance(p, Mapping) and p.get("type") == "text"),
+                (
+                    p.get("text")
+                    for p in text
+                    if isinstance(p, Mapping) and p.get("type") in ("text", "input_text")
+                ),
                 None,
             )
     else:

@@ -31,9 +31,16 @@ import orjson
 from aiohttp import web
 
 from proxy.backends import Dialect, EventKind
+from proxy.backends.apis import MESSAGES, RESPONSES
 from proxy.backends.base import COMPLETIONS, NATIVE_COMPLETION
 from proxy.config import Timeouts
-from proxy.errors import BackendTimeout, BackendUnavailable, ProxyError, sse_error_event
+from proxy.errors import (
+    BackendTimeout,
+    BackendUnavailable,
+    ProxyError,
+    anthropic_sse_error_event,
+    sse_error_event,
+)
 from proxy.headers import downstream_response_headers, is_event_stream, upstream_request_headers
 from proxy.records import Observation, monotonic
 from proxy.sse import EventSplitter, event_data
@@ -253,13 +260,36 @@ _NEWS = (b'"usage"', b'"timings"', b'"error"')
 """Keys that make an event worth parsing: usage, timings or an error to read."""
 
 
+# The Responses and Messages APIs: an ``event:`` line, then the data line of a visible token.
+_API_TOKENS: dict[str, tuple[bytes, bytes, bytes]] = {
+    RESPONSES: (b"event: response.output_text.delta\ndata: {", b'"delta":"', b""),
+    MESSAGES: (b"event: content_block_delta\ndata: {", b'"text":"', b'"type":"text_delta"'),
+}
+
+
+def _plain_api_event(event: bytes, head: bytes, pattern: bytes, marker: bytes) -> bool:
+    if not event.startswith(head) or event.find(b"\n", len(head)) < len(event) - 2:
+        return False  # not exactly the event line and one data line ending in "\n\n"
+    if marker and marker not in event:
+        return False
+    for key in _NEWS:
+        if key in event:
+            return False
+    at = event.find(pattern)
+    return at >= 0 and event[at + len(pattern) : at + len(pattern) + 1] != b'"'
+
+
 def plain_token_event(event: bytes, route: str) -> bool:
     """True when ``event`` is certainly one ``data:`` line carrying a token and nothing else.
 
     Such events are most of a stream and need no parsing once the first visible token has been
     timed: every other event (a finish reason, usage, timings, an error, several data lines,
-    anything unexpected) answers False and is parsed as before.
+    anything unexpected) answers False and is parsed as before. On the Responses and Messages
+    routes, the event is a text delta: its ``event:`` line and one data line.
     """
+    api = _API_TOKENS.get(route)
+    if api is not None:
+        return _plain_api_event(event, *api)
     if not event.startswith(b"data: {") or event.find(b"\n") < len(event) - 2:
         return False  # not one data line ending in a blank line ("\n\n")
     if route == NATIVE_COMPLETION:
@@ -423,7 +453,8 @@ async def _relay_stream(
     if rest:
         tail.append(rest)
     if failure is not None:
-        tail.append(sse_error_event(failure))
+        anthropic = ex.route == MESSAGES
+        tail.append(anthropic_sse_error_event(failure) if anthropic else sse_error_event(failure))
         upstream.close()
     limit = ex.send_timeout_s
     if (tail and not await _write(request, resp, b"".join(tail), limit)) or not await _write(

@@ -15,7 +15,8 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from proxy.backends import CHAT, NATIVE_COMPLETION
+from proxy.api_validation import validate_api
+from proxy.backends import API_ROUTES, CHAT, NATIVE_COMPLETION
 from proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 
 
@@ -130,6 +131,9 @@ def validate_inference(route: str, body: dict[str, Any]) -> None:
     Every other field (``max_tokens``, ``stop``, ``temperature``…) is the backend's to judge:
     it answers its own 4xx, relayed unchanged.
     """
+    if route in API_ROUTES:  # Responses and Anthropic Messages: their own fields and wording
+        validate_api(route, body)
+        return
     for name, kind, expected in _TOP_LEVEL:
         value = body.get(name)
         if value is not None and not isinstance(value, kind):

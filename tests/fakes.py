@@ -38,6 +38,16 @@ from aiohttp.test_utils import TestClient
 from proxy.config import BackendSpec, HealthChecks
 from proxy.records import RequestRecord
 from proxy.routing import RoutingConfig
+from tests.fake_apis import (
+    anthropic_to_chat,
+    api_event,
+    messages_answer,
+    messages_stream,
+    responses_answer,
+    responses_stream,
+    responses_to_chat,
+    responses_usage,
+)
 
 MODEL = "fake-model"
 DONE = b"data: [DONE]\n\n"
@@ -205,11 +215,88 @@ class FakeBackend:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_post("/v1/messages", self.messages)
         self._own_routes(app.router)
         return app
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._oai(request, chat=True)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._api(request, anthropic=False)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._api(request, anthropic=True)
+
+    async def _api(self, request: web.Request, *, anthropic: bool) -> web.StreamResponse:
+        """``/v1/responses`` or ``/v1/messages`` (``anthropic``), streamed or not."""
+        body = await self._accept(request)
+        if isinstance(body, web.Response):
+            return body
+        k = self.knobs
+        chat = anthropic_to_chat(body) if anthropic else responses_to_chat(body)
+        prompt, cached = self._api_counts(chat)
+        n_out = len(k.reasoning) + len(k.tokens)
+        thinking, text = "".join(k.reasoning), "".join(k.tokens)
+        stream = body.get("stream") is True
+        if anthropic:
+            start, final, whole = self._messages_usage(prompt, cached, n_out)
+            if not stream:
+                return web.json_response(messages_answer(MODEL, thinking, text, whole))
+            lead, writes, tail = messages_stream(
+                MODEL, k.reasoning, k.tokens, start, final, start_alone=self.messages_start_alone
+            )
+        else:
+            usage = responses_usage(prompt, self._responses_cached(cached), n_out)
+            if not stream:
+                return web.json_response(
+                    responses_answer(MODEL, thinking, text, usage, self._created)
+                )
+            timings = self._api_timings(prompt - cached, cached, n_out)
+            lead: list[bytes] = []
+            writes, tail = responses_stream(
+                MODEL, k.reasoning, k.tokens, usage, self._created, timings=timings
+            )
+        if anthropic:
+            tail += self._messages_stream_end()
+        return await self._run_stream(
+            request,
+            writes + tail,
+            token_events=len(writes),
+            lead=lead,
+            error_event=self._api_error_event(anthropic),
+            error_tail=b"",
+        )
+
+    def _api_counts(self, chat: Mapping[str, Any]) -> tuple[int, int]:
+        """(prompt, cached) tokens of a Responses or Messages request, as chat messages."""
+        raise NotImplementedError
+
+    def _responses_cached(self, cached: int) -> int | None:
+        """``input_tokens_details.cached_tokens``, or None when the server omits it."""
+        return cached
+
+    def _messages_usage(
+        self, prompt: int, cached: int, output: int
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """Anthropic usage: on ``message_start``, on ``message_delta``, on a whole answer."""
+        raise NotImplementedError
+
+    def _api_timings(self, prompt_n: int, cache_n: int, predicted_n: int) -> dict[str, Any] | None:
+        """``timings`` on ``response.completed`` (llama.cpp only)."""
+        return None
+
+    def _messages_stream_end(self) -> list[bytes]:
+        """What follows ``message_stop`` (vLLM: ``[DONE]``; llama-server: nothing)."""
+        return []
+
+    # vLLM sends ``message_start`` on its first chunk, before any token; llama-server with it.
+    messages_start_alone = False
+
+    def _api_error_event(self, anthropic: bool) -> bytes:
+        """The mid-stream error event of a Responses or Messages stream."""
+        raise NotImplementedError
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._oai(request, chat=False)
@@ -422,6 +509,7 @@ class LlamaFake(FakeBackend):
         router.add_get("/props", self.props)
         router.add_post("/completion", self.native)
         router.add_get("/slots", self.slots)
+        router.add_post("/responses", self.responses)  # llama-server's alias of /v1/responses
 
     def reject_message(self) -> str:
         return "the request exceeds the context size"
@@ -522,6 +610,32 @@ class LlamaFake(FakeBackend):
     def _counts(self, body: Mapping[str, Any]) -> tuple[int, int]:
         prompt, cached = self.cache_lookup(body)
         return prompt, min(cached, max(prompt - 1, 0))
+
+    def _api_counts(self, chat: Mapping[str, Any]) -> tuple[int, int]:
+        return self._counts(chat)
+
+    def _messages_usage(
+        self, prompt: int, cached: int, output: int
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        # llama-server: input_tokens is the prompt not read from cache; the delta has output only.
+        whole = {"cache_read_input_tokens": cached, "input_tokens": prompt - cached}
+        return (
+            {**whole, "output_tokens": 0},
+            {"output_tokens": output},
+            {
+                **whole,
+                "output_tokens": output,
+            },
+        )
+
+    def _api_timings(self, prompt_n: int, cache_n: int, predicted_n: int) -> dict[str, Any] | None:
+        return self.timings(prompt_n, cache_n, predicted_n)
+
+    def _api_error_event(self, anthropic: bool) -> bytes:
+        if anthropic:  # format_anthropic_sse({"event": "error", "data": <the error object>})
+            error = {"code": 500, "message": "the slot failed to decode", "type": "server_error"}
+            return api_event("error", error)
+        return _DECODE_FAILED  # format_oai_sse({"error": ...}): no event line
 
     async def _oai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         body = await self._accept(request)
@@ -759,6 +873,35 @@ class VllmFake(FakeBackend):
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
+    def _api_counts(self, chat: Mapping[str, Any]) -> tuple[int, int]:
+        prompt, cached = self.cache_lookup(chat)
+        return prompt, (cached // 16) * 16
+
+    def _responses_cached(self, cached: int) -> int | None:
+        return cached if self.prompt_tokens_details else None
+
+    def _messages_stream_end(self) -> list[bytes]:
+        return [DONE]  # vLLM's Messages stream is its chat stream converted: [DONE] stays
+
+    messages_start_alone = True
+
+    def _messages_usage(
+        self, prompt: int, cached: int, output: int
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        # The whole prompt in input_tokens, and no cache fields.
+        return (
+            {"input_tokens": prompt, "output_tokens": 0},
+            {"input_tokens": prompt, "output_tokens": output},
+            {"input_tokens": prompt, "output_tokens": output},
+        )
+
+    def _api_error_event(self, anthropic: bool) -> bytes:
+        if anthropic:
+            error = {"type": "error", "error": {"type": "api_error", "message": "engine died"}}
+            return api_event("error", error)
+        error = {"type": "error", "code": "server_error", "message": "engine died", "param": None}
+        return api_event("error", error)
+
     async def _oai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         body = await self._accept(request)
         if isinstance(body, web.Response):
@@ -965,7 +1108,13 @@ class SlotLlamaFake(LlamaFake):
         body = await self._peek(request)
         if body is None:
             return await handler(request)
-        words = prompt_words(body)
+        if request.path in ("/v1/responses", "/responses"):
+            words = prompt_words(responses_to_chat(body))
+        elif request.path == "/v1/messages":
+            words = prompt_words(anthropic_to_chat(body))
+            body.pop("id_slot", None)  # the Messages route drops every field it does not map
+        else:
+            words = prompt_words(body)
         pinned = body.get("id_slot")
         pinned = pinned % self.total_slots if isinstance(pinned, int) and pinned >= 0 else None
         slot = await self._acquire(words, pinned)
@@ -1024,6 +1173,12 @@ class SlotLlamaFake(LlamaFake):
 
     async def native(self, request: web.Request) -> web.StreamResponse:
         return await self._on_slot(request, super().native)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._on_slot(request, super().responses)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._on_slot(request, super().messages)
 
     # -- /slots ----------------------------------------------------------------------------------
 

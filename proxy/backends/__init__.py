@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import aiohttp
 
+from proxy.backends.apis import API_ROUTES, MESSAGES, RESPONSES
 from proxy.backends.base import (
     CHAT,
     COMPLETIONS,
@@ -56,11 +57,14 @@ async def detect_dialect(session: aiohttp.ClientSession, base_url: str) -> Diale
 
 
 __all__ = [
+    "API_ROUTES",
     "CHAT",
     "COMPLETIONS",
     "DIALECTS",
     "INFERENCE_ROUTES",
+    "MESSAGES",
     "NATIVE_COMPLETION",
+    "RESPONSES",
     "BackendInfo",
     "Dialect",
     "EventKind",

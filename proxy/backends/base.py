@@ -8,29 +8,28 @@ Everything outside ``proxy/backends/`` talks to a ``Dialect`` and never names a 
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
+from proxy.backends.apis import (
+    API_ROUTES,
+    MESSAGES,
+    RESPONSES,
+    classify_api_event,
+    read_api_response,
+)
+from proxy.backends.events import EventKind as EventKind  # re-exported: its old home
 from proxy.records import Observation
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 NATIVE_COMPLETION = "/completion"
-INFERENCE_ROUTES = (CHAT, COMPLETIONS, NATIVE_COMPLETION)
-
-
-class EventKind(enum.Enum):
-    """What one stream event carries, as far as timing and usage go."""
-
-    OTHER = 0  # role-only deltas, empty chunks, unknown shapes
-    TOKEN = 1  # a token of any kind (reasoning included)
-    VISIBLE = 2  # a token the user sees: content or tool calls, not reasoning
-    USAGE_ONLY = 3  # the final usage event (``choices: []``)
-    ERROR = 4  # an ``{"error": …}`` event
+INFERENCE_ROUTES = (CHAT, COMPLETIONS, NATIVE_COMPLETION, RESPONSES, MESSAGES)
+# Routes whose streams always end with usage: the proxy never adds ``stream_options`` to them.
+USAGE_ALWAYS = frozenset({NATIVE_COMPLETION, RESPONSES, MESSAGES})
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +74,7 @@ class Dialect:
         Returns True when the proxy asked for a usage event the client did not ask for, so the
         relay must strip it on the way back.
         """
-        if not stream or route == NATIVE_COMPLETION:
+        if not stream or route in USAGE_ALWAYS:
             return False
         opts = body.get("stream_options")
         if isinstance(opts, Mapping) and opts.get("include_usage") is True:
@@ -85,11 +84,14 @@ class Dialect:
         body["stream_options"] = new_opts
         return True
 
-    def partition_cache(self, body: MutableMapping[str, Any], tenant: str) -> bool:
+    def partition_cache(
+        self, body: MutableMapping[str, Any], tenant: str, route: str = CHAT
+    ) -> bool:
         """Put this request in ``tenant``'s partition of the backend's prefix cache.
 
         Returns True when the body was changed. A backend with no way to partition its cache
-        per request (llama.cpp) leaves the body alone: its isolation is by replica only.
+        per request (llama.cpp; vLLM on ``route`` MESSAGES) leaves the body alone: its isolation
+        is by replica only.
         """
         return False
 
@@ -97,6 +99,9 @@ class Dialect:
 
     def read_response(self, route: str, obj: Mapping[str, Any], obs: Observation) -> None:
         """Read usage and timings from a complete (non-streamed) response body."""
+        if route in API_ROUTES:
+            read_api_response(route, obj, obs)
+            return
         self.read_usage(obj, obs)
 
     def read_usage(self, obj: Mapping[str, Any], obs: Observation) -> None:
@@ -114,6 +119,8 @@ class Dialect:
 
     def classify_event(self, route: str, obj: Mapping[str, Any], obs: Observation) -> EventKind:
         """Classify one stream event and read any usage it carries."""
+        if route in API_ROUTES:
+            return classify_api_event(route, obj, obs)
         if "error" in obj and "choices" not in obj:
             return EventKind.ERROR
         if "usage" in obj and isinstance(obj.get("usage"), Mapping):
@@ -139,6 +146,10 @@ class Dialect:
             if _nonempty(delta.get("reasoning_content")) or _nonempty(delta.get("reasoning")):
                 kind = EventKind.TOKEN
         return kind
+
+    def carries_slot(self, route: str) -> bool:
+        """Whether the server honours a slot id (``id_slot``) in a request on ``route``."""
+        return True
 
     def carried_on_strip(self, usage_event: Mapping[str, Any]) -> dict[str, Any]:
         """Fields of a stripped usage event the client would have seen on the finishing event."""

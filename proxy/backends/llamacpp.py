@@ -7,6 +7,7 @@ from typing import Any
 
 import aiohttp
 
+from proxy.backends.apis import MESSAGES
 from proxy.backends.base import (
     NATIVE_COMPLETION,
     BackendInfo,
@@ -54,7 +55,7 @@ class LlamaCppDialect(Dialect):
         if route == NATIVE_COMPLETION:
             self.read_native(obj, obs)
         else:
-            self.read_usage(obj, obs)
+            super().read_response(route, obj, obs)  # OpenAI usage, or the API's own
         self.read_timings(obj, obs)
 
     def classify_event(self, route: str, obj: Mapping[str, Any], obs: Observation) -> EventKind:
@@ -68,6 +69,10 @@ class LlamaCppDialect(Dialect):
         kind = super().classify_event(route, obj, obs)
         self.read_timings(obj, obs)
         return kind
+
+    def carries_slot(self, route: str) -> bool:
+        # The Messages route rebuilds the request from a fixed list of fields: no ``id_slot``.
+        return route != MESSAGES
 
     def carried_on_strip(self, usage_event: Mapping[str, Any]) -> dict[str, Any]:
         # Without include_usage llama-server attaches `timings` to the finish_reason chunk.

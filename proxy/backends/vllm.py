@@ -14,7 +14,8 @@ from typing import Any
 
 import aiohttp
 
-from proxy.backends.base import BackendInfo, Dialect, EventKind, _float
+from proxy.backends.apis import MESSAGES
+from proxy.backends.base import CHAT, BackendInfo, Dialect, EventKind, _float
 from proxy.backends.llamacpp import fetch_json
 from proxy.records import Observation
 
@@ -35,8 +36,16 @@ class VllmDialect(Dialect):
 
     name = "vllm"
 
-    def partition_cache(self, body: MutableMapping[str, Any], tenant: str) -> bool:
-        """vLLM salts the first block's hash with ``cache_salt``: one salt per tenant."""
+    def partition_cache(
+        self, body: MutableMapping[str, Any], tenant: str, route: str = CHAT
+    ) -> bool:
+        """vLLM salts the first block's hash with ``cache_salt``: one salt per tenant.
+
+        Its Anthropic Messages route takes no ``cache_salt`` (the request model drops unknown
+        fields and the chat request it builds has none), so there it cannot partition.
+        """
+        if route == MESSAGES:
+            return False
         body["cache_salt"] = tenant_cache_salt(tenant, body.get("cache_salt"))
         return True
 

@@ -13,7 +13,9 @@ reports it (``dry_run_fired``, ``changes``, ``stable_bytes_gained``) but the nex
 from the body it was given. Global dry-run runs every rule as if it applied, so the report is
 exactly what would happen, and then forwards the original body.
 
-Routes. Chat routes get every rule. Raw completion prompts get ``whitespace`` only if its
+Routes. Chat routes get every rule; the Responses and Anthropic Messages APIs get the same
+rules where their structure maps (``proxy.canonical.apis``: never across a ``cache_control``
+breakpoint). Raw completion prompts get ``whitespace`` only if its
 ``raw_prompts`` option is on, and never a volatile rule: a raw prompt has no user message to
 hold the note. Appending it to the end of the prompt would make the model continue *after* the
 note (as if it had written it, inside whatever template the prompt ends in), and prepending it
@@ -34,6 +36,15 @@ from functools import partial
 from types import MappingProxyType
 from typing import Any
 
+from proxy.canonical.apis import (
+    API_KINDS,
+    MESSAGES_KIND,
+    RESPONSES_KIND,
+    api_stable_json,
+    api_whitespace,
+)
+from proxy.canonical.apis import note_target as api_note_target
+from proxy.canonical.apis import stable_slots as api_stable_slots
 from proxy.canonical.config import (
     RULE_NAMES,
     STABLE_JSON,
@@ -57,7 +68,13 @@ from proxy.canonical.relocation import (
 )
 from proxy.canonical.stable_json import stable_json
 from proxy.canonical.whitespace import whitespace
-from proxy.fingerprint import CHAT_ROUTES, COMPLETION_ROUTES, Segment
+from proxy.fingerprint import (
+    CHAT_ROUTES,
+    COMPLETION_ROUTES,
+    MESSAGES_ROUTES,
+    RESPONSES_ROUTES,
+    Segment,
+)
 
 RewriteRule = Callable[[str, dict[str, Any], RuleConfig], RuleOutcome]
 REWRITE_RULES: tuple[tuple[str, RewriteRule], ...] = (
@@ -66,12 +83,23 @@ REWRITE_RULES: tuple[tuple[str, RewriteRule], ...] = (
 )
 
 
+API_REWRITE_RULES: tuple[tuple[str, RewriteRule], ...] = (
+    (STABLE_JSON, api_stable_json),
+    (WHITESPACE, api_whitespace),
+)
+
+
 def request_kind(route: str) -> str | None:
-    """``chat``, ``completion`` or None (a route the canonicalizer leaves alone)."""
+    """``chat``, ``completion``, ``responses``, ``messages`` or None (a route the
+    canonicalizer leaves alone)."""
     if route in CHAT_ROUTES:
         return "chat"
     if route in COMPLETION_ROUTES:
         return "completion"
+    if route in RESPONSES_ROUTES:
+        return RESPONSES_KIND
+    if route in MESSAGES_ROUTES:
+        return MESSAGES_KIND
     return None
 
 
@@ -162,13 +190,14 @@ class Canonicalizer:
         if not config.enabled or kind is None or type(body) is not dict:
             return CanonicalResult(body)
         run = _Run(route, body)
-        for name, rule_fn in REWRITE_RULES:
+        api = kind in API_KINDS
+        for name, rule_fn in API_REWRITE_RULES if api else REWRITE_RULES:
             rule = config.rule(name)
             if rule.enabled:
                 self._rewrite(run, name, rule, rule_fn, kind)
-        if kind == "chat" and self._detectors:
+        if (kind == "chat" or api) and self._detectors:
             try:
-                self._relocate(run)
+                self._relocate(run, kind)
             except Exception:  # a bug must cost the request its relocation, not its answer
                 for name in self._detectors:
                     self._errors[name] += 1
@@ -186,7 +215,8 @@ class Canonicalizer:
             dry_run_fired=tuple(run.dry),
             changes=tuple(run.changes),
             skipped=tuple(run.skipped),
-            meter=run.meter if run.fired or run.dry else None,
+            # Gains are measured on the chat layout only (the other APIs' are not mapped yet).
+            meter=run.meter if (run.fired or run.dry) and not api else None,
         )
 
     def _rewrite(
@@ -209,9 +239,11 @@ class Canonicalizer:
         (run.dry if self.config.dry_run else run.fired).append(name)
         run.body = outcome.body
 
-    def _relocate(self, run: _Run) -> None:
+    def _relocate(self, run: _Run, kind: str) -> None:
         config = self.config
-        slots = stable_slots(run.body)
+        api = kind in API_KINDS
+        slots = api_stable_slots(kind, run.body) if api else stable_slots(run.body)
+        finder = partial(api_note_target, kind) if api else None
         found = detect(slots, self._detectors, self._detection_cache)
         if not found:
             return
@@ -230,6 +262,7 @@ class Canonicalizer:
                 note_format=config.note_format,
                 normalise_note=ws.enabled and not ws.dry_run,
                 taken=taken,
+                find_target=finder,
             )
 
         applied = relocate_spans(active)

@@ -75,8 +75,9 @@ nothing. A value never spans a line break.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -294,10 +295,17 @@ class NoteTarget:
     index: int  # the message's index
     content: str | list[Any]
     prefix: bool
+    where: Path | None = None
+    """The content's path when it is not ``messages[index].content`` (other APIs' layouts)."""
+    part_type: str = "text"
+    """The ``type`` of the text part the note becomes in a content list."""
 
     @property
     def path(self) -> Path:
-        return ("messages", self.index, "content")
+        return self.where if self.where is not None else ("messages", self.index, "content")
+
+
+TargetFinder = Callable[[dict[str, Any], NotePlacement], "NoteTarget | str"]
 
 
 def note_target(body: dict[str, Any], placement: NotePlacement) -> NoteTarget | str:
@@ -348,7 +356,7 @@ def place_note(body: dict[str, Any], target: NoteTarget, note: str) -> tuple[dic
         path = target.path
     else:
         text = note + NOTE_SEPARATOR if target.prefix else NOTE_SEPARATOR + note
-        part = {"type": "text", "text": text}
+        part = {"type": target.part_type, "text": text}
         new = [part, *content] if target.prefix else [*content, part]
         path = (*target.path, 0 if target.prefix else len(content))
     draft.set(target.path, new)
@@ -378,15 +386,18 @@ def relocate(
     note_format: str,
     normalise_note: bool,
     taken: frozenset[str] = frozenset(),
+    find_target: TargetFinder | None = None,
 ) -> Relocation:
     """Replace the values of ``spans`` by placeholders and place the note, or skip entirely.
 
     ``taken``: placeholders the prompt already holds (see ``placeholders_in``).
+    ``find_target``: where the note goes in this request's layout (default: ``note_target``,
+    a chat request's).
     """
     rules = tuple(r for r in rule_order if any(f.rule == r for sf in spans for f in sf.finds))
     if not rules:
         return Relocation(body, body, (), {}, (), (), ())
-    target = note_target(body, placement)
+    target = (find_target or note_target)(body, placement)
     if isinstance(target, str):
         skipped = tuple(Skip(rule, target) for rule in rules)
         return Relocation(body, body, (), {}, (), skipped, ())
@@ -396,8 +407,8 @@ def relocate(
     if normalise_note and placement == "system_suffix":
         note = normalise(note, strip_end=True)[0]
     # The target message may itself be a slot (system_suffix): take its rewritten content.
-    content = replaced["messages"][target.index]["content"]
-    final, note_path = place_note(replaced, NoteTarget(target.index, content, target.prefix), note)
+    content = Draft(replaced).get(target.path)
+    final, note_path = place_note(replaced, dataclasses.replace(target, content=content), note)
     changes = [
         Change(f.rule, format_path(slot.path), "placeholder", n)
         for slot, finds in spans
