@@ -24,6 +24,9 @@ DIALECTS: Mapping[str, type[Dialect]] = {
     "openai": Dialect,
 }
 
+STRICT_DIALECTS = tuple(name for name, d in DIALECTS.items() if not d.ignores_unknown_fields)
+"""Dialects that may reject fields they do not know: they lose hosted-only fields by default."""
+
 
 def dialect_named(name: str) -> Dialect:
     return DIALECTS[name]()
@@ -61,6 +64,7 @@ __all__ = [
     "DIALECTS",
     "INFERENCE_ROUTES",
     "NATIVE_COMPLETION",
+    "STRICT_DIALECTS",
     "BackendInfo",
     "Dialect",
     "EventKind",
