@@ -73,6 +73,10 @@ def running_llama_server(*, slots: int = 2, ctx: int = 8192, threads: int = 2) -
             "-t",
             str(threads),
             "--metrics",
+            # No weight repacking: a native build repacks into AMX tiles where the CPU reports
+            # them, and a VM that does not grant the tile state dies of SIGILL on the first
+            # matrix multiply. Repacking only changes speed, never results or caching.
+            "--no-repack",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
