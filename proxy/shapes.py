@@ -69,13 +69,12 @@ def member(
 ) -> Any:
     """``obj[name]`` checked to be of ``kind`` (None when absent or null, unless required)."""
     value = obj.get(name)
-    param = f"{where}.{name}" if where else name
     if value is None:
         if required:
-            raise missing(param)
+            raise missing(f"{where}.{name}" if where else name)
         return None
     if not isinstance(value, kind):
-        raise invalid_type(param, _EXPECTED[kind], value)
+        raise invalid_type(f"{where}.{name}" if where else name, _EXPECTED[kind], value)
     return value
 
 
@@ -89,10 +88,30 @@ def element(value: Any, where: str) -> dict[str, Any]:
 TOOL_TYPES = ("function", "custom")
 
 
+def _plain_function_tool(tool: Any) -> bool:
+    """The common case, checked without building a field path: a named function tool with a
+    string description and an object of parameters (or neither), and no ``strict``."""
+    if type(tool) is not dict or tool.get("type") != "function":
+        return False
+    fn = tool.get("function")
+    return (
+        type(fn) is dict
+        and type(fn.get("name")) is str
+        and type(fn.get("description", "")) is str
+        and type(fn.get("parameters", _EMPTY)) is dict
+        and fn.get("strict") is None
+    )
+
+
+_EMPTY: dict[str, Any] = {}
+
+
 def check_tools(tools: list[Any]) -> None:
     """Each tool: an object whose ``type`` is ``function`` (with a ``function`` object naming
     it) or ``custom`` (with a ``custom`` object naming it)."""
     for i, raw in enumerate(tools):
+        if _plain_function_tool(raw):
+            continue
         where = f"tools[{i}]"
         tool = element(raw, where)
         kind = member(tool, "type", where, str, required=True)
@@ -146,11 +165,14 @@ def check_stream_options(opts: Mapping[str, Any]) -> None:
     member(opts, "include_obfuscation", "stream_options", bool)
 
 
-def check_content_parts(parts: list[Any], where: str) -> None:
-    """Each part an object with a string ``type``; the parts OpenAI defines carry their
-    member (``text``, ``refusal``, ``image_url``, ``input_audio``, ``file``)."""
+def check_content_parts(parts: list[Any], index: int) -> None:
+    """Each part of ``messages[index].content`` an object with a string ``type``; the parts
+    OpenAI defines carry their member (``text``, ``refusal``, ``image_url``, ``input_audio``,
+    ``file``)."""
     for j, raw in enumerate(parts):
-        at = f"{where}[{j}]"
+        if type(raw) is dict and raw.get("type") == "text" and type(raw.get("text")) is str:
+            continue  # the common case, without building a field path
+        at = f"messages[{index}].content[{j}]"
         part = element(raw, at)
         kind = member(part, "type", at, str, required=True)
         if kind == "text":
@@ -172,12 +194,21 @@ def check_content_parts(parts: list[Any], where: str) -> None:
 TOOL_CALL_TYPES = TOOL_TYPES
 
 
+def _plain_function_call(call: Any) -> bool:
+    if type(call) is not dict or call.get("type") != "function" or type(call.get("id")) is not str:
+        return False
+    fn = call.get("function")
+    return type(fn) is dict and type(fn.get("name")) is str and type(fn.get("arguments")) is str
+
+
 def check_tool_calls(calls: Any, where: str) -> None:
     """An assistant message's ``tool_calls``: objects with an ``id`` and a ``type``; a
     function call names its function and carries its ``arguments`` as a JSON string."""
     if not isinstance(calls, list):
         raise invalid_type(where, "an array", calls)
     for k, raw in enumerate(calls):
+        if _plain_function_call(raw):
+            continue
         at = f"{where}[{k}]"
         call = element(raw, at)
         member(call, "id", at, str, required=True)
@@ -194,16 +225,20 @@ def check_tool_calls(calls: Any, where: str) -> None:
             member(custom, "input", f"{at}.custom", str, required=True)
 
 
-def check_message(message: dict[str, Any], where: str) -> None:
-    """A message's members past ``role`` and ``content``'s own type."""
+def check_message(message: dict[str, Any], index: int) -> None:
+    """``messages[index]``'s members past ``role`` and ``content``'s own type; field paths are
+    built only on the way to an error."""
     content = message.get("content")
-    if isinstance(content, list):
-        check_content_parts(content, f"{where}.content")
+    if type(content) is list:
+        check_content_parts(content, index)
     calls = message.get("tool_calls")
-    if calls is not None:
-        check_tool_calls(calls, f"{where}.tool_calls")
-    member(message, "name", where, str)
-    if message.get("role") == "tool":
-        member(message, "tool_call_id", where, str, required=True)
-    else:
-        member(message, "tool_call_id", where, str)
+    if calls is not None and not (type(calls) is list and all(map(_plain_function_call, calls))):
+        check_tool_calls(calls, f"messages[{index}].tool_calls")
+    name = message.get("name")
+    if name is not None and type(name) is not str:
+        member(message, "name", f"messages[{index}]", str)
+    call_id = message.get("tool_call_id")
+    if type(call_id) is not str:
+        required = message.get("role") == "tool"
+        if call_id is not None or required:
+            member(message, "tool_call_id", f"messages[{index}]", str, required=required)

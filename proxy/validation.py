@@ -142,18 +142,19 @@ def _validate_chat(body: dict[str, Any]) -> None:
     if not isinstance(messages, list):
         raise _invalid_type("messages", "an array", messages)
     for i, message in enumerate(messages):
-        where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise _invalid_type(where, "an object", message)
+            raise _invalid_type(f"messages[{i}]", "an object", message)
         role = message.get("role")
         if role is None:
-            raise _missing(f"{where}.role")
+            raise _missing(f"messages[{i}].role")
         if not isinstance(role, str):
-            raise _invalid_type(f"{where}.role", "a string", role)
+            raise _invalid_type(f"messages[{i}].role", "a string", role)
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
-            raise _invalid_type(f"{where}.content", "a string, an array or null", content)
-        check_message(message, where)
+            raise _invalid_type(f"messages[{i}].content", "a string, an array or null", content)
+        bare = len(message) == 2 and "content" in message and type(content) is not list
+        if not bare or role == "tool":  # a bare {role, content: "..."} has nothing more
+            check_message(message, i)
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
