@@ -24,7 +24,7 @@ from proxy.backends import CHAT, COMPLETIONS, NATIVE_COMPLETION
 from proxy.canonical import CanonicalResult
 from proxy.errors import BackendUnavailable, NotFound, ProxyError
 from proxy.fleet import Replica
-from proxy.hosted import AffinityKey
+from proxy.hosted import PROMPT_CACHE_KEY, AffinityKey
 from proxy.log import get_logger
 from proxy.prefixes import PrefixView, prefix_label
 from proxy.records import Observation, monotonic, utc_now_iso
@@ -184,6 +184,8 @@ async def inference(request: web.Request) -> web.StreamResponse:
                 state.tracker.annotate(record, view, target.replica.url)
         if state.settings.log_prompts and body is not None:
             sent = out.sent if out is not None and out.sent is not None else body
+            if affinity is not None and PROMPT_CACHE_KEY in sent:  # its hash, never the value
+                sent = {**sent, PROMPT_CACHE_KEY: affinity.hashed}
             record.extra["body"] = state.redactor.value(sent)
         state.scheduler.annotate(record, ex)
         state.writer.emit(record)

@@ -120,6 +120,17 @@ async def test_record_carries_the_hash_never_the_value(
     assert hash_key(secret, "tenant-a") != hash_key(secret)
 
 
+async def test_logged_body_carries_the_hash(llama_fake: LlamaFake, make_proxy: MakeProxy) -> None:
+    """With --log-prompts the logged body's prompt_cache_key is the hash; the backend got the
+    key itself."""
+    client, records, _ = await make_proxy(llama_fake.url, log_prompts=True)
+    await post(client, turn("hi", prompt_cache_key="thread-secret-1"))
+    record = await records.wait(1)
+    assert record.extra["body"]["prompt_cache_key"] == record.extra["affinity_key"]
+    assert "thread-secret-1" not in str(record.as_dict())
+    assert llama_fake.requests[-1]["prompt_cache_key"] == "thread-secret-1"
+
+
 async def test_key_splits_no_prefix(two: list[LlamaFake], make_proxy: MakeProxy) -> None:
     """Two keys on one prompt fingerprint the same: the key seeds neither chain nor salt."""
     client, records, _ = await fleet_proxy(make_proxy, *two)
