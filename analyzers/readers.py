@@ -238,6 +238,15 @@ def _number(value: Any) -> float | None:
     return value if kind is float else float(value) if kind is int else None
 
 
+def _hex_or_none(value: Any) -> int | None:
+    if type(value) is not str:
+        return None
+    try:
+        return int(value, 16)
+    except ValueError:
+        return None
+
+
 def _from_record(obj: dict[str, Any], source: str, trace: Trace) -> TraceRequest | None:
     """A request record; kept lean, it runs once per log line."""
     get = obj.get
@@ -265,6 +274,7 @@ def _from_record(obj: dict[str, Any], source: str, trace: Trace) -> TraceRequest
         model=get("model"),
         tenant=get("tenant"),
         canonical_rules=get("canonical_rules") or (),
+        affinity_key=_hex_or_none(get("affinity_key")),
     )
     body = get("body")
     if type(body) is dict:

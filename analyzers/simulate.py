@@ -14,6 +14,9 @@ proxy's own ``proxy.routing.Router`` and ``TrafficDepth`` code, against N simula
   its output at ``decode_ms_per_token`` alongside the others. A request is in flight from its
   arrival to its last token, which gives the router real loads to gate on and a time to first
   token that shows what queueing behind a hot replica costs.
+* **Conversation keys.** A prefixgate record's ``affinity_key`` (the hash of the client's
+  ``prompt_cache_key`` or session header) goes to the router as the proxy passed it, so
+  ``key_affinity`` decisions replay as they were made.
 * **Traffic depth.** A ``TrafficWindow`` on the trace's clock counts leading blocks exactly as
   the store does, and ``TrafficDepth`` turns the counts into the shared depth.
 
@@ -223,7 +226,9 @@ def simulate_fleet(
         counts = window.counts(chain, now)
         shared = depth.shared_blocks(*counts)
         key = route_key(chain, shared)
-        decision = router.choose(candidates, key=key, shared_blocks=shared)
+        decision = router.choose(
+            candidates, key=key, shared_blocks=shared, affinity_key=r.affinity_key
+        )
         window.observe(chain, now)
         reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
         chosen = next(rep for rep in fleet if rep.url == decision.replica)

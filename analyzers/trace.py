@@ -26,6 +26,7 @@ class TraceRequest:
     """A request reduced to its prefix keys, token counts and what was measured for it."""
 
     __slots__ = (
+        "affinity_key",
         "anchor",
         "backend",
         "block_tokens",
@@ -71,6 +72,7 @@ class TraceRequest:
         route: str | None = None,
         body: dict[str, Any] | None = None,
         canonical_rules: Sequence[str] = (),
+        affinity_key: int | None = None,
     ) -> None:
         self.ts = ts
         self.source = source
@@ -92,6 +94,7 @@ class TraceRequest:
         self.route = route
         self.body = body
         self.canonical_rules = canonical_rules
+        self.affinity_key = affinity_key  # the conversation key as the proxy hashed it
 
     def tokens_upto(self, n_keys: int) -> float:
         """Tokens covered by the first ``n_keys`` keys, capped at the prompt length."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from proxy.hosted import DEFAULT_SESSION_HEADERS, DEFAULT_STRIP_DIALECTS, HostedFields
 from proxy.records import Pricing, Slo
 from proxy.routing import POLICIES, RoutingConfig
 from proxy.scheduling.config import SLOT_MODES, SchedulingConfig
@@ -97,6 +98,8 @@ class Settings:
     api_keys: tuple[str, ...] = ()
     api_keys_file: str | None = None
     tenant_header: str | None = None
+    hosted: HostedFields = field(default_factory=HostedFields)
+    """Conversation keys (``prompt_cache_key``, session headers) and hosted-only fields."""
     redact_patterns: tuple[str, ...] = ()
     redact_defaults: bool = True
     config_file: str | None = None
@@ -450,6 +453,25 @@ OPTIONS: tuple[Option, ...] = (
         metavar="NAME",
     ),
     Option(
+        "session_header",
+        str,
+        "request header read as the conversation's routing key when the body has no "
+        f"prompt_cache_key (repeat; default {', '.join(DEFAULT_SESSION_HEADERS)}; "
+        "'none' for no header)",
+        repeat=True,
+        metavar="NAME",
+    ),
+    Option(
+        "strip_hosted_fields",
+        str,
+        "dialects whose requests lose hosted-only fields (prompt_cache_key, "
+        "prompt_cache_retention, safety_identifier, service_tier, store, metadata) "
+        f"before they go upstream (repeat; default {', '.join(DEFAULT_STRIP_DIALECTS)}; "
+        "'none' for no dialect)",
+        repeat=True,
+        metavar="DIALECT",
+    ),
+    Option(
         "redact_pattern",
         str,
         "extra regular expression redacted from logged prompt text (repeat; env: one per line)",
@@ -542,6 +564,27 @@ def _fleet_settings(values: Mapping[str, Any]) -> tuple[RoutingConfig, HealthChe
     if not (math.isfinite(values["traffic_window_s"]) and values["traffic_window_s"] > 0):
         raise ConfigError("--traffic-window-s must be a positive number")
     return routing, health
+
+
+def _names(value: Any, default: tuple[str, ...]) -> tuple[str, ...]:
+    """A repeated list of names: the default when unset, nothing for 'none'."""
+    if value is None:
+        return default
+    names = tuple(str(v).strip().lower() for v in value if str(v).strip())
+    return () if names == ("none",) else names
+
+
+def _hosted_settings(values: Mapping[str, Any]) -> HostedFields:
+    """Conversation-key headers and the dialects that lose hosted fields."""
+    headers = _names(values["session_header"], DEFAULT_SESSION_HEADERS)
+    dialects = _names(values["strip_hosted_fields"], DEFAULT_STRIP_DIALECTS)
+    unknown = [d for d in dialects if d not in DIALECTS or d == "auto"]
+    if unknown:
+        raise ConfigError(
+            f"--strip-hosted-fields takes dialects ({', '.join(DIALECTS[1:])}) or none, "
+            f"not {', '.join(unknown)}"
+        )
+    return HostedFields(session_headers=headers, strip_dialects=dialects)
 
 
 def _scheduling_settings(values: Mapping[str, Any]) -> SchedulingConfig:
@@ -653,6 +696,7 @@ def resolve(
         api_keys=values["api_key"] or (),
         api_keys_file=values["api_keys_file"],
         tenant_header=values["tenant_header"],
+        hosted=_hosted_settings(values),
         passthrough=values["passthrough"],
         redact_patterns=values["redact_pattern"] or (),
         redact_defaults=values["redact_defaults"],

@@ -282,7 +282,12 @@ class Fleet:
     def _choose(self, candidates: Sequence[Candidate], view: PrefixView | None) -> Decision:
         if view is None:
             return self.router.choose(candidates, key=0, shared_blocks=0)
-        return self.router.choose(candidates, key=view.key, shared_blocks=view.shared_blocks)
+        return self.router.choose(
+            candidates,
+            key=view.key,
+            shared_blocks=view.shared_blocks,
+            affinity_key=view.affinity_key,
+        )
 
     def passthrough_order(self) -> list[Replica]:
         """Replicas for a non-inference request: healthy ones first, in configured order."""

@@ -12,6 +12,7 @@ from it in the background.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from proxy.backends import CHAT, COMPLETIONS, MESSAGES, NATIVE_COMPLETION, RESPO
 from proxy.canonical import CanonicalResult
 from proxy.errors import BackendUnavailable, NotFound, ProxyError, anthropic_error_response
 from proxy.fleet import Replica
+from proxy.hosted import PROMPT_CACHE_KEY, AffinityKey
 from proxy.log import get_logger
 from proxy.prefixes import PrefixView, prefix_label
 from proxy.records import Observation, monotonic, utc_now_iso
@@ -78,6 +80,8 @@ class Outgoing:
     tenant: str | None
     model: str | None
     sent: dict[str, Any] | None = None
+    stripped: tuple[str, ...] = ()
+    """Hosted-only fields removed for the replica's dialect (``proxy.hosted``)."""
 
 
 def _target(state: ProxyState, view: PrefixView, decision: Decision) -> Target:
@@ -101,6 +105,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
     out: Outgoing | None = None
     fired: list[str] = []
     canonical: CanonicalResult | None = None
+    affinity: AffinityKey | None = None
     tenant = request.get(TENANT)
     namespace = tenant or DEFAULT_NAMESPACE
     try:
@@ -122,6 +127,10 @@ async def inference(request: web.Request) -> web.StreamResponse:
         view = await state.tracker.lookup(
             route, body, replicas, namespace=namespace, salt=tenant or ""
         )
+        # The client's conversation key chooses the replica and nothing else (not the salt).
+        affinity = state.settings.hosted.affinity_key(body, request.headers, tenant)
+        if affinity is not None:
+            view = dataclasses.replace(view, affinity_key=affinity.value)
         target = _target(state, view, state.fleet.route(view))
         if model is None and target.replica.info is not None:
             model = target.replica.info.model
@@ -166,6 +175,11 @@ async def inference(request: web.Request) -> web.StreamResponse:
                 record.extra["canonical_dry_run_rules"] = list(canonical.dry_run_fired)
             if canonical.stable_bytes_gained:
                 record.extra["canonical_stable_bytes"] = canonical.stable_bytes_gained
+        if affinity is not None:
+            record.extra["affinity_key"] = affinity.hashed
+            record.extra["affinity_source"] = affinity.source
+        if out is not None and out.stripped:
+            record.extra["hosted_fields_stripped"] = list(out.stripped)
         if target is not None:
             record.extra["route_reason"] = target.reason
             record.extra["replica_load"] = target.load
@@ -175,6 +189,8 @@ async def inference(request: web.Request) -> web.StreamResponse:
                 state.tracker.annotate(record, view, target.replica.url)
         if state.settings.log_prompts and body is not None:
             sent = out.sent if out is not None and out.sent is not None else body
+            if affinity is not None and PROMPT_CACHE_KEY in sent:  # its hash, never the value
+                sent = {**sent, PROMPT_CACHE_KEY: affinity.hashed}
             record.extra["body"] = state.redactor.value(sent)
         state.scheduler.annotate(record, ex)
         state.writer.emit(record)
@@ -231,6 +247,8 @@ async def _attempt(
         edited = out.changed
         if out.tenant is not None and ex.dialect.partition_cache(body, out.tenant, ex.route):
             edited = True
+        out.stripped = state.settings.hosted.strip(ex.dialect.name, body)
+        edited = edited or bool(out.stripped)
         ex.strip_usage = ex.dialect.prepare(ex.route, body, stream=ex.stream)
         # Where on the replica it goes (llama.cpp slot) and when (coalescing); may wait. A
         # route on which the server ignores a slot id is not placed (the server chooses).

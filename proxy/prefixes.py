@@ -48,6 +48,8 @@ class PrefixView:
     """Leading blocks carried by most recent traffic (``TrafficDepth``)."""
     available: bool = True
     """False when the store did not answer and the numbers are this proxy's own."""
+    affinity_key: int | None = None
+    """The client's own conversation key, hashed (``proxy.hosted``); None when it sent none."""
 
     def matched_for(self, replica: str) -> int:
         return self.matched_blocks.get(replica, 0)

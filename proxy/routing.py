@@ -15,6 +15,13 @@ against both:
   fleet's mean plus ``load_gate_slack`` is not chosen for affinity; the request goes to the
   least loaded other replica instead (``"load_gate"``). The slack keeps a nearly idle fleet
   from gating on one or two requests.
+* **A client's own affinity key** (``prompt_cache_key``, or a session header; see
+  ``proxy.hosted``) names the conversation outright: its requests go to the key's home replica,
+  the highest weighted rendezvous score of the key over the healthy replicas
+  (``"key_affinity"``), whatever the index says, under the same load gate. Every proxy computes
+  the same home without sharing any state, a replica that fails moves only its own keys, and
+  the key only chooses the replica: it never enters the fingerprint or a cache salt, so
+  conversations with different keys still share a common prefix's cache.
 * **Misses go to the least loaded replica**, and the proxy records the chosen replica's blocks
   in the index right away (``PrefixTracker.claim``), so the next request of the same
   conversation or burst finds them there even before this one has finished.
@@ -44,16 +51,19 @@ POLICIES = (ROUND_ROBIN, LEAST_LOADED, PREFIX_AFFINITY)
 # Decision reasons.
 SINGLE = "single"
 AFFINITY = "affinity"
+KEY_AFFINITY = "key_affinity"
 MISS = "miss"
 LOAD_GATE = "load_gate"
 ROUND_ROBIN_REASON = "round_robin"
 LEAST_LOADED_REASON = "least_loaded"
-REASONS = (SINGLE, AFFINITY, MISS, LOAD_GATE, ROUND_ROBIN_REASON, LEAST_LOADED_REASON)
+REASONS = (SINGLE, AFFINITY, KEY_AFFINITY, MISS, LOAD_GATE, ROUND_ROBIN_REASON, LEAST_LOADED_REASON)
 
 TRAFFIC_MAX_BLOCKS = 64
 """Leading blocks of a request counted for the traffic-shared depth (``K``)."""
 
 _SEED_MASK = (1 << 64) - 1
+_HASH_SPAN2 = 1 << 65  # twice the hash range: 1 - u = (2**64 - h - 1/2) / 2**64, in integers
+_BELOW_ONE = 1.0 - 2.0**-53
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,6 +137,21 @@ def rendezvous(key: int, replica: str) -> int:
     return xxhash.xxh3_64_intdigest(replica.encode(), seed=key & _SEED_MASK)
 
 
+def weighted_rendezvous(key: int, candidate: Candidate) -> float:
+    """Weighted HRW score of ``candidate`` for ``key``: keys spread in proportion to weight.
+
+    The score ``-weight / ln(u)``, with ``u`` the rendezvous hash mapped into (0, 1), is the
+    logarithmic method of weighted rendezvous hashing: a replica of twice the weight is the
+    home of twice the keys, and adding or removing a replica moves only the keys it wins or
+    held. A replica of weight 0 is never a home while another exists.
+    """
+    if candidate.weight <= 0:
+        return -math.inf
+    # ln(u) as log1p(-(1 - u)): u close to 1 keeps its precision there, and never reaches 0.
+    rest = min((_HASH_SPAN2 - 2 * rendezvous(key, candidate.replica) - 1) / _HASH_SPAN2, _BELOW_ONE)
+    return -candidate.weight / math.log1p(-rest)
+
+
 def route_key(hashes: Sequence[int], shared_blocks: int = 0) -> int:
     """The key a request's ties are broken by: its first block past the traffic-shared depth.
 
@@ -147,13 +172,22 @@ class Router:
         self.config = config or RoutingConfig()
         self._turn = itertools.count()
 
-    def choose(self, candidates: Sequence[Candidate], *, key: int, shared_blocks: int) -> Decision:
+    def choose(
+        self,
+        candidates: Sequence[Candidate],
+        *,
+        key: int,
+        shared_blocks: int,
+        affinity_key: int | None = None,
+    ) -> Decision:
         """The replica for one request.
 
         ``key``: the request's routing key (``route_key``: a block hash, 0 if none), for
         deterministic tie-breaks and nothing else;
         ``shared_blocks``: how many of its leading blocks most recent traffic carries (from
-        ``TrafficDepth``). Raises ``ValueError`` when there is no candidate at all.
+        ``TrafficDepth``);
+        ``affinity_key``: the client's own key for the conversation (a 64-bit hash), or None.
+        Raises ``ValueError`` when there is no candidate at all.
         """
         if not candidates:
             raise ValueError("no replica to route to")
@@ -172,7 +206,17 @@ class Router:
             return Decision(
                 chosen.replica, LEAST_LOADED_REASON, chosen.matched_blocks, shared_blocks
             )
+        if affinity_key is not None:
+            return self._keyed(pool, affinity_key, shared_blocks)
         return self._affinity(pool, key, shared_blocks)
+
+    def _keyed(self, pool: list[Candidate], affinity_key: int, shared_blocks: int) -> Decision:
+        home = max(pool, key=lambda c: weighted_rendezvous(affinity_key, c))
+        others = [c for c in pool if c is not home]
+        if not others or not self.gated(home, pool):
+            return Decision(home.replica, KEY_AFFINITY, home.matched_blocks, shared_blocks)
+        chosen = least_loaded(others, affinity_key)
+        return Decision(chosen.replica, LOAD_GATE, chosen.matched_blocks, shared_blocks)
 
     def _affinity(self, pool: list[Candidate], key: int, shared_blocks: int) -> Decision:
         cfg = self.config

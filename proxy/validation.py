@@ -18,6 +18,17 @@ from aiohttp.http_exceptions import HttpProcessingError
 from proxy.api_validation import validate_api
 from proxy.backends import API_ROUTES, CHAT, NATIVE_COMPLETION
 from proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from proxy.hosted import PROMPT_CACHE_KEY
+from proxy.shapes import (
+    check_message,
+    check_response_format,
+    check_stream_options,
+    check_tool_choice,
+    check_tools,
+    json_type,
+)
+from proxy.shapes import invalid_type as _invalid_type
+from proxy.shapes import missing as _missing
 
 
 async def read_body(request: web.Request, limit: int, *, idle_s: float | None = None) -> bytes:
@@ -63,7 +74,7 @@ def parse_object(body: bytes, content_type: str) -> dict[str, Any]:
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
-        raise BadRequest(f"request body must be a JSON object, not {_json_type(obj)}")
+        raise BadRequest(f"request body must be a JSON object, not {json_type(obj)}")
     if _nested_deeper(obj, body, MAX_JSON_DEPTH):
         raise BadRequest(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
     return obj
@@ -84,51 +95,27 @@ def _nested_deeper(obj: dict[str, Any], raw: bytes, limit: int) -> bool:
     return False
 
 
-_JSON_TYPES = {
-    dict: "an object",
-    list: "an array",
-    str: "a string",
-    bool: "a boolean",
-    int: "a number",
-    float: "a number",
-    type(None): "null",
-}
-
-
-def _json_type(value: Any) -> str:
-    return _JSON_TYPES.get(type(value), type(value).__name__)
-
-
-def _invalid_type(param: str, expected: str, value: Any) -> BadRequest:
-    return BadRequest(
-        f"Invalid type for '{param}': expected {expected}, but got {_json_type(value)} instead.",
-        param=param,
-        code="invalid_type",
-    )
-
-
-def _missing(param: str) -> BadRequest:
-    return BadRequest(
-        f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
-    )
-
-
 # Top-level fields the proxy itself reads or rewrites, with the types it accepts (null counts as
 # absent, as in OpenAI's API).
 _TOP_LEVEL = (
     ("model", str, "a string"),
     ("stream", bool, "a boolean"),
     ("stream_options", dict, "an object"),
+    (PROMPT_CACHE_KEY, str, "a string"),
 )
 
 
 def validate_inference(route: str, body: dict[str, Any]) -> None:
-    """Reject, with a 400 naming the field, what the proxy must understand and cannot.
+    """Reject, with a 400 naming the field, what the proxy must understand and cannot, and
+    the malformed structures OpenAI's API rejects.
 
-    Those are the fields it routes, fingerprints, canonicalizes and relays by: ``model``,
-    ``stream``, ``stream_options``, the chat ``messages`` (an array of objects with a string
-    ``role`` and string, array or null ``content``) and ``tools``, the completion ``prompt``.
-    Every other field (``max_tokens``, ``stop``, ``temperature``…) is the backend's to judge:
+    The first are the fields it routes, fingerprints, canonicalizes and relays by: ``model``,
+    ``stream``, ``stream_options``, ``prompt_cache_key``, the chat ``messages`` (an array of
+    objects with a string ``role`` and string, array or null ``content``) and ``tools``, the
+    completion ``prompt``. The second are the shapes of ``tools``, ``tool_choice``,
+    ``response_format``, ``stream_options``, content parts and ``tool_calls``
+    (``proxy.shapes``), which a backend may otherwise answer with a 500. Every other field and
+    value (``max_tokens``, ``stop``, ``temperature``, a tool's name…) is the backend's to judge:
     it answers its own 4xx, relayed unchanged.
     """
     if route in API_ROUTES:  # Responses and Anthropic Messages: their own fields and wording
@@ -138,6 +125,9 @@ def validate_inference(route: str, body: dict[str, Any]) -> None:
         value = body.get(name)
         if value is not None and not isinstance(value, kind):
             raise _invalid_type(name, expected, value)
+    opts = body.get("stream_options")
+    if opts is not None:
+        check_stream_options(opts)
     if route == CHAT:
         _validate_chat(body)
         return
@@ -156,17 +146,27 @@ def _validate_chat(body: dict[str, Any]) -> None:
     if not isinstance(messages, list):
         raise _invalid_type("messages", "an array", messages)
     for i, message in enumerate(messages):
-        where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise _invalid_type(where, "an object", message)
+            raise _invalid_type(f"messages[{i}]", "an object", message)
         role = message.get("role")
         if role is None:
-            raise _missing(f"{where}.role")
+            raise _missing(f"messages[{i}].role")
         if not isinstance(role, str):
-            raise _invalid_type(f"{where}.role", "a string", role)
+            raise _invalid_type(f"messages[{i}].role", "a string", role)
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
-            raise _invalid_type(f"{where}.content", "a string, an array or null", content)
+            raise _invalid_type(f"messages[{i}].content", "a string, an array or null", content)
+        bare = len(message) == 2 and "content" in message and type(content) is not list
+        if not bare or role == "tool":  # a bare {role, content: "..."} has nothing more
+            check_message(message, i)
     tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise _invalid_type("tools", "an array", tools)
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _invalid_type("tools", "an array", tools)
+        check_tools(tools)
+    choice = body.get("tool_choice")
+    if choice is not None:
+        check_tool_choice(choice)
+    fmt = body.get("response_format")
+    if fmt is not None:
+        check_response_format(fmt)

@@ -25,6 +25,9 @@ DIALECTS: Mapping[str, type[Dialect]] = {
     "openai": Dialect,
 }
 
+STRICT_DIALECTS = tuple(name for name, d in DIALECTS.items() if not d.ignores_unknown_fields)
+"""Dialects that may reject fields they do not know: they lose hosted-only fields by default."""
+
 
 def dialect_named(name: str) -> Dialect:
     return DIALECTS[name]()
@@ -65,6 +68,7 @@ __all__ = [
     "MESSAGES",
     "NATIVE_COMPLETION",
     "RESPONSES",
+    "STRICT_DIALECTS",
     "BackendInfo",
     "Dialect",
     "EventKind",

@@ -67,6 +67,10 @@ class Dialect:
     """An OpenAI-compatible server: usage in ``usage``, cached tokens when it reports them."""
 
     name = "openai"
+    ignores_unknown_fields = False
+    """Whether the server ignores body fields it does not know. A generic OpenAI-compatible
+    server may be strict and answer 400 to hosted-only fields (``proxy.hosted``), so by default
+    its requests lose them."""
 
     def prepare(self, route: str, body: MutableMapping[str, Any], *, stream: bool) -> bool:
         """Adjust ``body`` in place before it goes upstream.

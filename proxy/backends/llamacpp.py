@@ -24,6 +24,7 @@ class LlamaCppDialect(Dialect):
     """llama-server. Cached tokens are always reported (``timings.cache_n``, also in usage)."""
 
     name = "llamacpp"
+    ignores_unknown_fields = True  # it reads the fields it knows from the JSON and no others
 
     def read_timings(self, obj: Mapping[str, Any], obs: Observation) -> None:
         timings = obj.get("timings")

@@ -35,6 +35,9 @@ class VllmDialect(Dialect):
     """vLLM (V1 engine)."""
 
     name = "vllm"
+    # Its request models allow extra fields ("fields were present in the request but ignored",
+    # logged at debug), so hosted-only fields pass harmlessly.
+    ignores_unknown_fields = True
 
     def partition_cache(
         self, body: MutableMapping[str, Any], tenant: str, route: str = CHAT

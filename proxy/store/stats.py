@@ -36,6 +36,8 @@ RULE_PREFIX = "rule:"
 ROUTE_PREFIX = "route:"
 SCHEDULE_PREFIX = "schedule:"
 SOURCE_PREFIX = "source:"
+KEY_PREFIX = "key:"
+STRIPPED_PREFIX = "stripped:"
 
 
 def latency_bucket(value_ms: float) -> int:
@@ -73,6 +75,10 @@ class StatsSample:
     """Where on the backend it went, or why it waited (``proxy.scheduling.REASONS``)."""
     cache_source: str | None = None
     """llama.cpp: where its cached tokens were expected from (slot, ram, none)."""
+    affinity_source: str | None = None
+    """Where the client's conversation key came from (``prompt_cache_key``, a header)."""
+    hosted_stripped: list[str] = field(default_factory=list)
+    """Hosted-only fields removed before the request went upstream."""
 
     @classmethod
     def from_record(
@@ -112,6 +118,8 @@ class StatsSample:
             route_reason=_route_reason(record),
             schedule_reason=_schedule_reason(record),
             cache_source=record.cache_source,
+            affinity_source=_str_extra(record, "affinity_source"),
+            hosted_stripped=_names_extra(record, "hosted_fields_stripped"),
         )
 
     def latencies(self) -> dict[str, float | None]:
@@ -127,6 +135,18 @@ class StatsSample:
 def _route_reason(record: RequestRecord) -> str | None:
     reason = record.extra.get("route_reason")
     return reason if isinstance(reason, str) and reason else None
+
+
+def _str_extra(record: RequestRecord, name: str) -> str | None:
+    value = record.extra.get(name)
+    return value if isinstance(value, str) and value else None
+
+
+def _names_extra(record: RequestRecord, name: str) -> list[str]:
+    value = record.extra.get(name)
+    if not isinstance(value, list):
+        return []
+    return [v for v in value if isinstance(v, str) and v]
 
 
 def _schedule_reason(record: RequestRecord) -> str | None:
@@ -180,6 +200,10 @@ def sample_increments(sample: StatsSample) -> dict[str, float]:
         inc[SCHEDULE_PREFIX + sample.schedule_reason] = 1.0
     if sample.cache_source:
         inc[SOURCE_PREFIX + sample.cache_source] = 1.0
+    if sample.affinity_source:
+        inc[KEY_PREFIX + sample.affinity_source] = 1.0
+    for name in sample.hosted_stripped:
+        inc[STRIPPED_PREFIX + name] = 1.0
     for metric, value in sample.latencies().items():
         if value is None or not math.isfinite(value) or value < 0:
             continue
@@ -292,10 +316,16 @@ class Tally:
 
     def cache_sources(self) -> dict[str, int]:
         """llama.cpp: requests by where their cached tokens were expected from (slot, ram...)."""
-        n = len(SOURCE_PREFIX)
-        return {
-            k[n:]: round(v) for k, v in sorted(self.counts.items()) if k.startswith(SOURCE_PREFIX)
-        }
+        return self.prefixed(SOURCE_PREFIX)
+    def prefixed(self, prefix: str) -> dict[str, int]:
+        """The counters under ``prefix``, by the rest of their name."""
+        n = len(prefix)
+        return {k[n:]: round(v) for k, v in sorted(self.counts.items()) if k.startswith(prefix)}
+
+    def hosted(self) -> dict[str, dict[str, int]]:
+        """Requests that carried a conversation key, by its source, and requests each hosted
+        field was removed from, by field."""
+        return {"keys": self.prefixed(KEY_PREFIX), "stripped": self.prefixed(STRIPPED_PREFIX)}
 
     def histogram(self, metric: str) -> list[int]:
         """Counts per latency bucket (one more than ``LATENCY_BOUNDS_MS``: the overflow)."""
@@ -348,6 +378,7 @@ class Tally:
             "routes": self.routes(),
             "schedules": self.schedules(),
             "cache_sources": self.cache_sources(),
+            "hosted": self.hosted(),
             "latency_ms": {m: self.latency_summary(m) for m in LATENCY_METRICS},
         }
 

@@ -3,7 +3,8 @@
 ``any_json`` is whatever orjson parses (no lone surrogates, integers within 64 bits, finite
 floats); ``wild_json`` adds what Python's json module also produces (lone surrogates, integers
 of any size). ``request_body`` is an OpenAI chat/completions body in which every field is
-usually of the right type and sometimes any JSON at all, with text that trips the
+usually of the right type and sometimes any JSON at all (tools, tool calls, content parts,
+``tool_choice`` and ``response_format`` included, member by member), with text that trips the
 canonicalizer's detectors.
 """
 
@@ -53,31 +54,72 @@ def either(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     return st.one_of(valid, valid, any_json)
 
 
+def shaped(kind: str, member: str, value: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """An object of one ``type`` whose member is usually right: ``{"type": kind, member: …}``."""
+    return st.fixed_dictionaries({"type": st.just(kind)}, optional={member: either(value)})
+
+
+part = either(
+    shaped("text", "text", text)
+    | shaped("refusal", "refusal", text)
+    | shaped("image_url", "image_url", st.fixed_dictionaries({"url": either(text)}) | text)
+    | shaped("input_audio", "input_audio", st.fixed_dictionaries({"data": text}))
+    | shaped("input_video", "input_video", any_json)  # a server's extension: not checked
+)
+tool_call = st.fixed_dictionaries(
+    {},
+    optional={
+        "id": either(text),
+        "type": either(st.sampled_from(["function", "custom"])),
+        "function": either(
+            st.fixed_dictionaries({"name": either(st.text(max_size=8)), "arguments": either(text)})
+        ),
+        "custom": either(st.fixed_dictionaries({"name": text, "input": either(text)})),
+    },
+)
 message = st.fixed_dictionaries(
     {},
     optional={
         "role": either(st.sampled_from(["system", "developer", "user", "assistant", "tool"])),
-        "content": either(
-            text
-            | st.none()
-            | st.lists(
-                st.fixed_dictionaries({"type": st.just("text"), "text": text}) | any_json,
-                max_size=3,
-            )
-        ),
-        "tool_calls": any_json,
-        "tool_call_id": any_json,
-        "name": any_json,
+        "content": either(text | st.none() | st.lists(part, max_size=3)),
+        "tool_calls": either(st.lists(either(tool_call), max_size=2)),
+        "tool_call_id": either(text),
+        "name": either(text),
     },
 )
 tool = st.fixed_dictionaries(
     {
-        "type": st.just("function"),
-        "function": st.fixed_dictionaries(
-            {"name": either(st.text(max_size=8)), "description": either(text)},
-            optional={"parameters": any_json},
+        "type": either(st.just("function")),
+        "function": either(
+            st.fixed_dictionaries(
+                {"name": either(st.text(max_size=8)), "description": either(text)},
+                optional={
+                    "parameters": either(st.just({"type": "object"})),
+                    "strict": either(st.booleans()),
+                },
+            )
         ),
     }
+)
+tool_choice = either(
+    st.sampled_from(["auto", "none", "required"])
+    | st.fixed_dictionaries(
+        {"type": either(st.just("function"))},
+        optional={"function": either(st.fixed_dictionaries({"name": either(text)}))},
+    )
+)
+response_format = either(
+    st.fixed_dictionaries({"type": either(st.sampled_from(["text", "json_object"]))})
+    | st.fixed_dictionaries(
+        {"type": st.just("json_schema")},
+        optional={
+            "json_schema": either(
+                st.fixed_dictionaries(
+                    {"name": either(text)}, optional={"schema": either(st.just({}))}
+                )
+            )
+        },
+    )
 )
 request_body = st.fixed_dictionaries(
     {},
@@ -88,10 +130,12 @@ request_body = st.fixed_dictionaries(
         "stream": either(st.booleans()),
         "stream_options": either(st.fixed_dictionaries({"include_usage": either(st.booleans())})),
         "tools": either(st.lists(either(tool), max_size=3)),
+        "tool_choice": tool_choice,
+        "prompt_cache_key": either(text),
         "max_tokens": any_json,
         "temperature": any_json,
         "stop": any_json,
-        "response_format": any_json,
+        "response_format": response_format,
         "cache_prompt": any_json,
     },
 )

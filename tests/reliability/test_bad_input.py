@@ -228,10 +228,12 @@ async def test_sizes_at_the_limit(stack: Stack, http: aiohttp.ClientSession) -> 
 
 
 def nested(depth: int) -> bytes:
-    """A streamed chat body whose deepest container sits ``depth`` levels down (body = 1)."""
-    inner = depth - 3  # body {} → messages [] → message {} → content
-    content = b"[" * inner + b"]" * inner
-    return b'{"stream": true, "messages": [{"role": "user", "content": ' + content + b"}]}"
+    """A streamed chat body whose deepest container sits ``depth`` levels down (body = 1), in
+    a member of a text part that OpenAI does not define (content parts must be objects)."""
+    inner = depth - 5  # body {} → messages [] → message {} → content [] → part {} → extra
+    extra = b"[" * inner + b"]" * inner
+    part = b'{"type": "text", "text": "hi", "extra": ' + extra + b"}"
+    return b'{"stream": true, "messages": [{"role": "user", "content": [' + part + b"]}]}"
 
 
 async def test_nesting_limit(stack: Stack, http: aiohttp.ClientSession) -> None:

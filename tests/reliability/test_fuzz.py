@@ -38,12 +38,139 @@ def send(stack: Stack, path: str, body: bytes) -> tuple[int, str, bytes]:
         conn.close()
 
 
+class Shapes:
+    """OpenAI's structural rules for tools, tool_choice, response_format, content parts,
+    tool_calls and stream_options, restated: every field that breaks one, collected."""
+
+    def __init__(self) -> None:
+        self.bad: set[str] = set()
+
+    def get(
+        self,
+        obj: Any,
+        name: str,
+        kind: type | tuple[type, ...],
+        where: str,
+        required: bool = False,
+    ) -> Any:
+        """``obj[name]`` if it is a ``kind``; a missing required or mistyped one is bad."""
+        param = f"{where}.{name}" if where else name
+        value = obj.get(name) if isinstance(obj, dict) else None
+        if value is None:
+            if required:
+                self.bad.add(param)
+            return None
+        if not isinstance(value, kind):
+            self.bad.add(param)
+            return None
+        return value
+
+    def obj(self, value: Any, where: str) -> dict[str, Any] | None:
+        if isinstance(value, dict):
+            return value
+        self.bad.add(where)
+        return None
+
+    def named(self, obj: dict[str, Any], key: str, where: str, also: tuple[str, ...]) -> None:
+        inner = self.get(obj, key, dict, where, required=True)
+        if inner is not None:
+            self.get(inner, "name", str, f"{where}.{key}", required=True)
+            for extra in also:
+                self.get(inner, extra, str, f"{where}.{key}", required=extra == "input")
+
+    def tools(self, tools: list[Any]) -> None:
+        for i, raw in enumerate(tools):
+            where = f"tools[{i}]"
+            if (tool := self.obj(raw, where)) is None:
+                continue
+            kind = self.get(tool, "type", str, where, required=True)
+            if kind not in (None, "function", "custom"):
+                self.bad.add(f"{where}.type")
+            if kind == "custom":
+                self.named(tool, "custom", where, ("description",))
+            if kind == "function":
+                fn = self.get(tool, "function", dict, where, required=True)
+                if fn is not None:
+                    at = f"{where}.function"
+                    self.get(fn, "name", str, at, required=True)
+                    self.get(fn, "description", str, at)
+                    self.get(fn, "parameters", dict, at)
+                    self.get(fn, "strict", bool, at)
+
+    def tool_choice(self, choice: Any) -> None:
+        if isinstance(choice, str):
+            return
+        if (obj := self.obj(choice, "tool_choice")) is None:
+            return
+        kind = self.get(obj, "type", str, "tool_choice", required=True)
+        if kind in ("function", "custom"):
+            self.named(obj, kind, "tool_choice", ())
+        if kind == "allowed_tools":
+            allowed = self.get(obj, "allowed_tools", dict, "tool_choice", required=True)
+            if allowed is not None:
+                self.get(allowed, "mode", str, "tool_choice.allowed_tools", required=True)
+                self.get(allowed, "tools", list, "tool_choice.allowed_tools", required=True)
+
+    def response_format(self, fmt: Any) -> None:
+        if (obj := self.obj(fmt, "response_format")) is None:
+            return
+        if self.get(obj, "type", str, "response_format", required=True) == "json_schema":
+            schema = self.get(obj, "json_schema", dict, "response_format", required=True)
+            if schema is not None:
+                at = "response_format.json_schema"
+                self.get(schema, "name", str, at, required=True)
+                self.get(schema, "description", str, at)
+                self.get(schema, "schema", dict, at)
+                self.get(schema, "strict", bool, at)
+
+    def message(self, m: dict[str, Any], where: str) -> None:
+        content = m.get("content")
+        for j, raw in enumerate(content if isinstance(content, list) else ()):
+            at = f"{where}.content[{j}]"
+            if (part := self.obj(raw, at)) is None:
+                continue
+            kind = self.get(part, "type", str, at, required=True)
+            if kind in ("text", "refusal"):
+                self.get(part, kind, str, at, required=True)
+            if kind in ("input_audio", "file"):
+                self.get(part, kind, dict, at, required=True)
+            if kind == "image_url":
+                image = self.get(part, "image_url", (dict, str), at, required=True)
+                if isinstance(image, dict):
+                    self.get(image, "url", str, f"{at}.image_url", required=True)
+        calls = m.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            self.bad.add(f"{where}.tool_calls")
+        for k, raw in enumerate(calls if isinstance(calls, list) else ()):
+            at = f"{where}.tool_calls[{k}]"
+            if (call := self.obj(raw, at)) is None:
+                continue
+            self.get(call, "id", str, at, required=True)
+            kind = self.get(call, "type", str, at, required=True)
+            if kind not in (None, "function", "custom"):
+                self.bad.add(f"{at}.type")
+            if kind == "custom":
+                self.named(call, "custom", at, ("input",))
+            if kind == "function":
+                fn = self.get(call, "function", dict, at, required=True)
+                if fn is not None:
+                    self.get(fn, "name", str, f"{at}.function", required=True)
+                    self.get(fn, "arguments", str, f"{at}.function", required=True)
+        self.get(m, "name", str, where)
+        self.get(m, "tool_call_id", str, where, required=m.get("role") == "tool")
+
+
 def type_errors(route: str, body: dict[str, Any]) -> set[str]:
     """The fields the proxy must refuse in ``body`` (its rules, restated independently)."""
     bad = set()
-    for name, kind in (("model", str), ("stream", bool), ("stream_options", dict)):
+    top = (("model", str), ("stream", bool), ("stream_options", dict), ("prompt_cache_key", str))
+    for name, kind in top:
         if body.get(name) is not None and not isinstance(body[name], kind):
             bad.add(name)
+    shapes = Shapes()
+    if isinstance(body.get("stream_options"), dict):
+        shapes.get(body["stream_options"], "include_usage", bool, "stream_options")
+        shapes.get(body["stream_options"], "include_obfuscation", bool, "stream_options")
     if route == "/v1/chat/completions":
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -58,14 +185,21 @@ def type_errors(route: str, body: dict[str, Any]) -> set[str]:
                 content = m.get("content")
                 if content is not None and not isinstance(content, str | list):
                     bad.add(f"messages[{i}].content")
+                shapes.message(m, f"messages[{i}]")
         if body.get("tools") is not None and not isinstance(body["tools"], list):
             bad.add("tools")
+        if isinstance(body.get("tools"), list):
+            shapes.tools(body["tools"])
+        if body.get("tool_choice") is not None:
+            shapes.tool_choice(body["tool_choice"])
+        if body.get("response_format") is not None:
+            shapes.response_format(body["response_format"])
     else:
         prompt = body.get("prompt")
         allowed: tuple[type, ...] = (str, list, dict) if route == "/completion" else (str, list)
         if prompt is not None and not isinstance(prompt, allowed):
             bad.add("prompt")
-    return bad
+    return bad | shapes.bad
 
 
 def judge(status: int, content_type: str, payload: bytes) -> dict[str, Any] | None:

@@ -20,6 +20,7 @@ from proxy.routing import (
     TrafficWindow,
     rendezvous,
     route_key,
+    weighted_rendezvous,
 )
 
 A, B, C, D = (f"http://10.0.0.{i}:8080" for i in range(1, 5))
@@ -287,3 +288,56 @@ def test_traffic_window_counts_only_the_leading_blocks() -> None:
     assert len(counts) == TRAFFIC_MAX_BLOCKS
     assert counts == [1] * TRAFFIC_MAX_BLOCKS
     assert window.counts(chain[TRAFFIC_MAX_BLOCKS:], now=0.0)[1][0] == 0
+
+
+# -- the client's conversation key ------------------------------------------------------------
+
+
+def keyed_home(router: Router, pool: list[Candidate], key: int) -> Decision:
+    return router.choose(pool, key=0, shared_blocks=0, affinity_key=key)
+
+
+def test_a_key_goes_home_whatever_the_index_says() -> None:
+    """With a key, the decision is its rendezvous home ("key_affinity"), not the best match."""
+    pool = [Candidate(A, 30, 0.0), Candidate(B, 0, 0.0), Candidate(C, 0, 0.0)]
+    homes = {keyed_home(affinity(), pool, k).replica for k in range(64)}
+    assert homes == {A, B, C}
+    d = keyed_home(affinity(), pool, 7)
+    assert d.reason == "key_affinity" and d == keyed_home(affinity(), pool, 7)
+
+
+def test_keys_spread_by_weight_and_move_only_from_a_lost_replica() -> None:
+    """Homes follow weights (3:1), and removing one replica moves only the keys it held."""
+    pool = [Candidate(A, 0, 0.0, weight=3.0), Candidate(B, 0, 0.0), Candidate(C, 0, 0.0)]
+    router = affinity()
+    before = {k: keyed_home(router, pool, k).replica for k in range(6000)}
+    share = sum(h == A for h in before.values()) / len(before)
+    assert 0.56 < share < 0.64  # 3/5
+    after = {k: keyed_home(router, pool[:2], k).replica for k in range(6000)}
+    assert all(after[k] == before[k] for k in before if before[k] != C)
+
+
+def test_a_key_respects_health_and_the_load_gate() -> None:
+    """An unhealthy home is passed over; a home past the gate sends to the least loaded other."""
+    key = next(
+        k
+        for k in range(100)
+        if keyed_home(
+            affinity(), [Candidate(A, 0, 0.0), Candidate(B, 0, 0.0), Candidate(C, 0, 0.0)], k
+        ).replica
+        == A
+    )
+    sick = [Candidate(A, 0, 0.0, healthy=False), Candidate(B, 0, 0.0), Candidate(C, 0, 0.0)]
+    assert keyed_home(affinity(), sick, key).replica != A
+    busy = [Candidate(A, 0, 20.0), Candidate(B, 0, 1.0), Candidate(C, 0, 0.0)]
+    d = keyed_home(affinity(), busy, key)
+    assert (d.replica, d.reason) == (C, "load_gate")
+    light = [Candidate(A, 0, 2.0), Candidate(B, 0, 1.0), Candidate(C, 0, 0.0)]
+    assert keyed_home(affinity(), light, key).reason == "key_affinity"
+
+
+@given(st.integers(min_value=0, max_value=(1 << 64) - 1))
+def test_weighted_rendezvous_is_finite_for_every_hash(key: int) -> None:
+    """Every 64-bit key gives every replica a finite positive score."""
+    for replica in (A, B):
+        assert 0.0 < weighted_rendezvous(key, Candidate(replica, 0, 0.0)) < float("inf")

@@ -250,3 +250,27 @@ def test_mooncake_conversation_four_replicas() -> None:
     assert pooled.hit_rate == pytest.approx(0.29, abs=0.01)
     assert affinity.hit_rate >= 0.95 * pooled.hit_rate
     assert affinity.imbalance is not None and affinity.imbalance <= 1.1
+
+
+def test_conversation_keys_replay_as_key_affinity() -> None:
+    """Requests carrying a record's affinity_key replay through the router's key affinity: one
+    key's requests on one replica, keys spread over the fleet."""
+    requests = []
+    for i in range(40):
+        r = request(float(i), [*SYSTEM, 1000 + i])
+        r.affinity_key = 0xABC0 + i % 8
+        requests.append(r)
+    result = simulate_fleet(requests, replicas=4, capacity_tokens=1e6, routing=RoutingConfig())
+    assert result.reasons == {"key_affinity": 40}
+    assert sum(1 for n in result.per_replica if n) >= 2
+
+
+def test_records_carry_their_affinity_key_into_the_trace(tmp_path: Path) -> None:
+    """A record's hex affinity_key is read back as the integer the router hashed."""
+    lines = (DATA / "records.jsonl").read_bytes().splitlines()
+    first = next(obj for obj in map(orjson.loads, lines) if obj.get("event") == "request")
+    line = {**first, "affinity_key": "00000000000000ff"}
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(orjson.dumps(line) + b"\n" + orjson.dumps({**line, "affinity_key": "zz"}))
+    got = [r.affinity_key for r in read_paths([path]).requests]
+    assert got == [255, None]
