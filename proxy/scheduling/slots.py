@@ -511,9 +511,9 @@ class SlotTable:
         if outcome is None or outcome.slot != slot.id:
             outcome = pick(views, self.ram, query, self.counter, pinned=slot.id, rules=self.rules)
         held = launch(views, self.ram, outcome, rules=self.rules)
-        for view, other in zip(views, self.slots, strict=True):
-            if other is not slot:
-                other.state = view.state
+        for view, each in zip(views, self.slots, strict=True):
+            if each is not slot:
+                each.state = view.state
         slot.state = held
         task.pick = outcome
         if outcome.matched is not None:
