@@ -30,6 +30,7 @@ Times are ``time.perf_counter`` seconds; every estimate comes from ``Rates``.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -76,20 +77,23 @@ SLOT_REASONS = (
 )
 
 FOREIGN_GRACE_S = 1.0  # a slot seen busy this soon after our request on it ended is still ours
-RETURNS = 4.0  # later turns a conversation's lost history is expected to be recomputed on
+RETURNS = 8.0  # later turns a conversation's lost history is expected to be recomputed on
+RECENT_STATES = 64  # prompts remembered to recognise a next turn, cached on the server or not
 
 
 class Continuations:
     """How often a prompt of each application (fingerprint anchor) is continued by a next turn.
 
-    Counted from the proxy's own traffic: every state a request leaves is one seen, every
-    request continuing a state counts one for that state's application. An exponential average,
-    starting from a neutral 1/2, bounded in the applications it keeps.
+    Counted from the proxy's own traffic: every prompt sent is one seen, every request that
+    continues an earlier prompt counts one continued for that prompt's application. The rate is
+    ``(continued + 1) / (seen + 2)`` (1/2 with nothing seen), over counts that decay so it follows
+    a change of traffic; bounded in the applications it keeps.
     """
 
-    def __init__(self, *, alpha: float = 0.2, max_anchors: int = 1024) -> None:
-        self._rates: dict[int, float] = {}
-        self._alpha = alpha
+    DECAY = 0.98
+
+    def __init__(self, *, max_anchors: int = 1024) -> None:
+        self._counts: dict[int, list[float]] = {}
         self._max = max_anchors
 
     @staticmethod
@@ -97,14 +101,18 @@ class Continuations:
         return state.fp.anchor if state.fp is not None else 0
 
     def rate(self, state: CachedPrompt) -> float:
-        return self._rates.get(self._anchor(state), 0.5)
+        seen, continued = self._counts.get(self._anchor(state), (0.0, 0.0))
+        return (continued + 1.0) / (seen + 2.0)
 
     def observe(self, state: CachedPrompt, *, continued: bool) -> None:
-        key = self._anchor(state)
-        old = self._rates.get(key, 0.5)
-        self._rates[key] = old + self._alpha * ((1.0 if continued else 0.0) - old)
-        if len(self._rates) > self._max:
-            self._rates.pop(next(iter(self._rates)))
+        counts = self._counts.setdefault(self._anchor(state), [0.0, 0.0])
+        if continued:
+            counts[1] = min(counts[1] + 1.0, counts[0])
+        else:
+            counts[0] = counts[0] * self.DECAY + 1.0
+            counts[1] *= self.DECAY
+        if len(self._counts) > self._max:
+            self._counts.pop(next(iter(self._counts)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +273,8 @@ class SlotTable:
         """The server's RAM prompt cache as the model has it (``llamacpp_cache``)."""
         self.counter = TokenCounter()
         self.continuations = Continuations()
+        self.recent: deque[CachedPrompt] = deque(maxlen=RECENT_STATES)
+        """The latest prompts sent, whether the server still holds them or not."""
         self.detect_unified = detect_unified
         """Whether ``/slots`` showing idle slots emptied may switch the model to unified KV."""
 
@@ -520,18 +530,19 @@ class SlotTable:
             task.shared = self.counter.shared(outcome.matched, query)
             if task.shared.continues and task.state is not None:
                 task.state.gap_s = max(task.t_sent - outcome.matched.t_used, 0.0)
-        # Which earlier state does this request continue, wherever it is: an application whose
-        # prompts come back turn after turn is worth keeping apart on the slots.
-        for other in (*(s.state for s in self.slots), *self.ram.entries):
-            if (
-                other is not None
-                and other is not task.state
-                and self.counter.shared(other, query).continues
-            ):
+        # Which earlier prompt does this request continue, held by the server or lost: an
+        # application whose prompts come back turn after turn is worth keeping apart on the slots.
+        for other in reversed(self.recent):
+            if other is not task.state and self.counter.shared(other, query).continues:
                 if not other.continued:
                     other.continued = True
                     self.continuations.observe(other, continued=True)
+                if task.state is not None and task.state.gap_s is None:
+                    task.state.gap_s = max(task.t_sent - other.t_used, 0.0)
                 break
+        if task.state is not None:
+            self.recent.append(task.state)
+            self.continuations.observe(task.state, continued=False)
 
     def first_token(self, task: SlotTask, now: float, reported_slot: int | None = None) -> None:
         """The backend answered ``task``'s first token (and said which slot, if it did)."""
@@ -561,7 +572,6 @@ class SlotTable:
             if (ok or task.t_first_token is not None) and task.state is not None:
                 task.state.t_used = now
                 slot.state = task.state
-                self.continuations.observe(task.state, continued=False)
             else:
                 slot.state = None  # stopped mid-prefill: what the slot holds is not known
             slot.last_used = now
