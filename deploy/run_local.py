@@ -136,6 +136,10 @@ def serve(args: argparse.Namespace, supervisor: Supervisor) -> int:
             "--metrics",
             "--alias",
             "smollm2",
+            # Unpinned requests take the LRU path, which saves the slot it takes to the RAM
+            # prompt cache and restores the right conversation (docs/llamacpp-cache.md).
+            "--slot-prompt-similarity",
+            "0",
         ],
         grace_s=LLAMA_STOP_S,
         quiet=True,
@@ -164,6 +168,8 @@ def serve(args: argparse.Namespace, supervisor: Supervisor) -> int:
             str(args.port),
             "--log-file",
             args.log_file,
+            "--server-slot-similarity",
+            "0",
         ],
         grace_s=PROXY_STOP_S,
     )
