@@ -444,6 +444,19 @@ class SlotTable:
         held = self.slots[best.slot].state
         return held is None or not self.counter.shared(held, query).continues
 
+    def live_conversations(self, now: float) -> int:
+        """Prompts sent lately that no later request has continued yet: the conversations
+        (and one-shot requests) the slots are asked to hold at once. Lately: within twice the
+        prompt's own pace when it has one, the last minute otherwise."""
+        live = 0
+        for state in self.recent:
+            if state.continued:
+                continue
+            horizon = 2.0 * state.gap_s if state.gap_s else 60.0
+            if now - state.t_used <= horizon:
+                live += 1
+        return live
+
     def _capped(self, tokens: float) -> float:
         if self.ctx_per_slot:
             return min(tokens, float(self.ctx_per_slot))
@@ -466,6 +479,11 @@ class SlotTable:
         held = slot.state
         if held is None or (outcome.loaded is None and self.counter.shared(held, query).continues):
             return 0.0  # nothing there, or the request extends what is there
+        if self.rules.similarity != 0.0 and self.live_conversations(now) > len(self.slots):
+            # More conversations than slots and a server that cannot swap them back in from
+            # RAM: every placement loses some history, spreading only moves the loss. Take
+            # what reuses most now, as the server itself would.
+            return 0.0
         incoming = CachedPrompt(hashes=query.hashes, prompt_tokens=query.prompt_tokens, fp=query.fp)
         kept = self.counter.cached(incoming, probe_of(held))
         lost = max(held.tokens - kept, 0.0)
