@@ -236,12 +236,15 @@ class TokenCounter:
             return Shared(learned, key=key)
         return Shared(blocks * query.tokens_per_block, key=key)
 
-    def cached(self, state: CachedPrompt | None, query: PromptQuery) -> float:
-        """Tokens the server reuses for ``query`` from ``state`` (rule 8's cap included)."""
+    def lcp(self, state: CachedPrompt | None, query: PromptQuery) -> float:
+        """The longest common prefix, in tokens, as the server's rules compare it (uncapped)."""
         if state is None:
             return 0.0
-        tokens = min(self.shared(state, query).tokens, state.tokens)
-        return max(min(tokens, query.prompt_tokens - 1.0), 0.0)
+        return max(min(self.shared(state, query).tokens, state.tokens, query.prompt_tokens), 0.0)
+
+    def cached(self, state: CachedPrompt | None, query: PromptQuery) -> float:
+        """Tokens the server reuses for ``query`` from ``state`` (rule 8's cap included)."""
+        return max(min(self.lcp(state, query), query.prompt_tokens - 1.0), 0.0)
 
     def learn(self, shared: Shared, state: CachedPrompt, measured: float, prompt: float) -> None:
         """Fold one measured ``cached_tokens`` in, for a request the model matched with ``state``.
@@ -284,6 +287,29 @@ class Pick:
     """The state the request's cached tokens come from."""
 
 
+MAX_RAM_ENTRIES = 256
+
+
+def contains(outer: CachedPrompt, inner: CachedPrompt) -> bool:
+    """``outer`` holds the whole of ``inner``: every segment of ``inner`` leads ``outer`` (the
+    partial last block included), or, without segments, all of its blocks and not fewer tokens.
+    A prompt shorter than one block is never taken as held on its hashes alone."""
+    ofp, ifp = outer.fp, inner.fp
+    if ofp is not None and ifp is not None and ifp.segment_hashes:
+        n = len(ifp.segment_hashes)
+        return (
+            len(ofp.segment_hashes) >= n
+            and ofp.segment_hashes[n - 1] == ifp.segment_hashes[-1]
+            and outer.tokens >= inner.tokens
+        )
+    n = len(inner.hashes)
+    return (
+        bool(n)
+        and common_blocks(inner.hashes, outer.hashes) == n
+        and (outer.tokens >= inner.tokens)
+    )
+
+
 class RamCache:
     """The server's host-RAM prompt cache: entries oldest first (rules 5 and 6)."""
 
@@ -296,31 +322,24 @@ class RamCache:
 
     def holds(self, state: CachedPrompt) -> bool:
         """An entry holds all of ``state`` (its prompt is a prefix of the entry's)."""
-        n = len(state.hashes)
-        return any(
-            e is state or (common_blocks(state.hashes, e.hashes) == n and e.tokens >= state.tokens)
-            for e in self.entries
-        )
+        return any(e is state or contains(e, state) for e in self.entries)
 
     def save(self, state: CachedPrompt | None) -> None:
         """``alloc``: skip a state already held; drop what it holds whole; evict oldest."""
         if state is None or not self.rules.cache_ram or self.holds(state):
             return
-        n = len(state.hashes)
-        self.entries = [
-            e
-            for e in self.entries
-            if not (
-                common_blocks(e.hashes, state.hashes) == len(e.hashes)
-                and len(e.hashes) <= n
-                and e.tokens <= state.tokens
-            )
-        ]
+        self.entries = [e for e in self.entries if not contains(state, e)]
         self.entries.append(state)
         self.trim()
 
     def trim(self) -> None:
+        """Oldest out past the size limit, and past ``MAX_RAM_ENTRIES`` (the model's own bound:
+        each entry keeps a fingerprint, and every placement scans them)."""
+        while len(self.entries) > MAX_RAM_ENTRIES:
+            self.entries.pop(0)
         limit = self.rules.ram_tokens
+        if math.isinf(limit):
+            return
         total = self.tokens()
         while self.entries and total > limit:
             total -= self.entries.pop(0).tokens
@@ -329,12 +348,12 @@ class RamCache:
         self, current: CachedPrompt | None, query: PromptQuery, counter: TokenCounter
     ) -> CachedPrompt | None:
         """``load``: the entry to move into a slot holding ``current``, if any beats it."""
-        base = counter.cached(current, query) if current is not None else 0.0
+        base = counter.lcp(current, query)
         keep_best = base / current.tokens if current is not None and current.tokens else -1.0
         sim_best = base / max(query.prompt_tokens, 1.0)
         chosen = None
         for entry in self.entries:
-            lcp = min(counter.shared(entry, query).tokens, entry.tokens)
+            lcp = counter.lcp(entry, query)
             keep = lcp / max(entry.tokens, 1.0)
             sim = lcp / max(query.prompt_tokens, 1.0)
             if keep < LOAD_MIN_F_KEEP:
@@ -363,7 +382,7 @@ def pick(
         if threshold != 0.0:
             best = 0.0
             if not view.busy and view.state is not None:
-                sim = counter.cached(view.state, query) / max(query.prompt_tokens, 1.0)
+                sim = counter.lcp(view.state, query) / max(query.prompt_tokens, 1.0)
                 if sim > threshold:
                     best = sim
             if view.state is not None and view.state.tokens > 0:
@@ -375,7 +394,7 @@ def pick(
             for i, view in enumerate(slots):
                 if view.busy or view.state is None:
                     continue
-                sim = counter.cached(view.state, query) / max(query.prompt_tokens, 1.0)
+                sim = counter.lcp(view.state, query) / max(query.prompt_tokens, 1.0)
                 if sim > best and sim > threshold:
                     best, chosen = sim, i
             if chosen is not None:

@@ -29,6 +29,7 @@ Times are ``time.perf_counter`` seconds; every estimate comes from ``Rates``.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -150,6 +151,8 @@ class SlotTask:
     """What the server was expected to do with it when it started (the cache model's view)."""
     shared: Shared | None = None
     """How its cached tokens were expected to come about (for learning from the answer)."""
+    pinned: bool = True
+    """Sent with ``id_slot`` (False: the server chose, or will choose, its slot)."""
 
 
 @dataclass(slots=True)
@@ -276,6 +279,7 @@ class SlotTable:
         self.recent: deque[CachedPrompt] = deque(maxlen=RECENT_STATES)
         """The latest prompts sent, whether the server still holds them or not."""
         self.detect_unified = detect_unified
+        self._emptied_seen = 0
         """Whether ``/slots`` showing idle slots emptied may switch the model to unified KV."""
 
     def set_rules(self, rules: ServerRules) -> None:
@@ -444,17 +448,30 @@ class SlotTable:
         held = self.slots[best.slot].state
         return held is None or not self.counter.shared(held, query).continues
 
-    def live_conversations(self, now: float) -> int:
+    def _pin_disturbs(self, slot: Slot, query: PromptQuery) -> bool:
+        """Whether pinning onto busy ``slot`` would make the server swap its running content.
+
+        With similarity on, a request pinned to a processing slot is checked against nothing
+        (the slot is skipped), so ``f_keep`` is 0 and the server saves the running slot and
+        loads the best cached prompt into it before it defers the request; a cached prompt
+        beating the running one for this request would replace the sequence being generated.
+        """
+        if self.rules.similarity == 0.0 or not self.rules.cache_ram or not slot.tasks:
+            return False
+        running = slot.tasks[0].state
+        return running is not None and self.ram.best(running, query, self.counter) is not None
+
+    def live_conversations(self, now: float) -> float:
         """Prompts sent lately that no later request has continued yet: the conversations
-        (and one-shot requests) the slots are asked to hold at once. Lately: within twice the
-        prompt's own pace when it has one, the last minute otherwise."""
-        live = 0
+        the slots are asked to hold at once, each weighed by how likely its application is to
+        continue. Lately: within twice the prompt's own pace when it has one, else a minute."""
+        live = 0.0
         for state in self.recent:
             if state.continued:
                 continue
             horizon = 2.0 * state.gap_s if state.gap_s else 60.0
             if now - state.t_used <= horizon:
-                live += 1
+                live += self.continuations.rate(state)  # a one-shot question weighs little
         return live
 
     def _capped(self, tokens: float) -> float:
@@ -513,6 +530,7 @@ class SlotTable:
                 hashes=task.hashes, prompt_tokens=task.prompt_tokens, fp=fp, t_used=now
             )
         if slot_id is None or not self.slots:
+            task.pinned = False
             self.unplaced.append(task)
             self._unplaced_since_poll += 1
             return
@@ -537,7 +555,24 @@ class SlotTable:
         views[slot.id].busy = False
         query = self._query(task)
         if outcome is None or outcome.slot != slot.id:
-            outcome = pick(views, self.ram, query, self.counter, pinned=slot.id, rules=self.rules)
+            # A request that waited unpinned for any slot takes the server's unpinned path (its
+            # LRU choice saves and restores); the slot that freed is the one it gets.
+            only = [
+                v if i == slot.id else SlotView(v.state, True, v.last_used)
+                for i, v in enumerate(views)
+            ]
+            outcome = pick(
+                only if not task.pinned else views,
+                self.ram,
+                query,
+                self.counter,
+                pinned=slot.id if task.pinned else None,
+                rules=self.rules,
+            )
+            if outcome.slot != slot.id:
+                outcome = pick(
+                    views, self.ram, query, self.counter, pinned=slot.id, rules=self.rules
+                )
         held = launch(views, self.ram, outcome, rules=self.rules)
         for view, each in zip(views, self.slots, strict=True):
             if each is not slot:
@@ -636,11 +671,16 @@ class SlotTable:
         if task.shared is not None and outcome.matched is not None:
             self.counter.learn(task.shared, outcome.matched, float(cached_tokens), prompt_tokens)
         predicted = outcome.cached_tokens
-        if outcome.source == SOURCE_RAM and cached_tokens < 0.5 * predicted:
+        if outcome.source != SOURCE_RAM:
+            return
+        floor = float(self.ctx_per_slot or 4096) * len(self.slots)
+        if cached_tokens < 0.5 * predicted:
             # The restored entry was gone: the cache holds less than the model thought.
-            limit = max(self.ram.tokens() * 0.8, 1.0)
+            limit = max(self.ram.tokens() * 0.8, floor)
             if limit < self.rules.ram_tokens:
                 self.set_rules(replace(self.rules, ram_tokens=limit))
+        elif math.isfinite(self.rules.ram_tokens):
+            self.set_rules(replace(self.rules, ram_tokens=self.rules.ram_tokens * 1.25))
 
     def reconcile(
         self, observed: Iterable[Mapping[str, Any]], now: float, *, hold_s: float
@@ -665,6 +705,7 @@ class SlotTable:
             if busy and not ours_now and self.unplaced:
                 waiting = self.unplaced.pop(0)
                 waiting.slot = slot.id
+                self._start(slot, waiting, now)
                 waiting.t_start = waiting.t_sent
                 slot.tasks.append(waiting)
                 ours_now = True
@@ -685,7 +726,8 @@ class SlotTable:
                 # Idle and empty though it held a prompt: the server clears idle slots when a
                 # task starts (unified KV). Pinning onto such a slot skips the RAM cache.
                 slot.state = None
-                if self.detect_unified and not self.rules.unified:
+                self._emptied_seen += 1
+                if self.detect_unified and not self.rules.unified and self._emptied_seen >= 2:
                     self.set_rules(replace(self.rules, unified=True))
             if (busy and not ours_now) or ran_other:
                 foreign = True

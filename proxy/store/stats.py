@@ -317,6 +317,7 @@ class Tally:
     def cache_sources(self) -> dict[str, int]:
         """llama.cpp: requests by where their cached tokens were expected from (slot, ram...)."""
         return self.prefixed(SOURCE_PREFIX)
+
     def prefixed(self, prefix: str) -> dict[str, int]:
         """The counters under ``prefix``, by the rest of their name."""
         n = len(prefix)
