@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PORT ?= 8000
+ADMIN_PORT ?= 8001
 LLAMA_PORT ?= 8080
 export CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF
 
@@ -39,7 +40,7 @@ redis:
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server; fi; }
 
 run: deps-real
-	$(PY) deploy/run_local.py --port $(PORT) --llama-port $(LLAMA_PORT)
+	$(PY) deploy/run_local.py --port $(PORT) --admin-port $(ADMIN_PORT) --llama-port $(LLAMA_PORT)
 
 test: deps-real redis nginx chromium
 	$(PY) -m pytest -p no:cacheprovider

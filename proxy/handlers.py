@@ -1,5 +1,7 @@
 """Request handlers: inference routes, transparent pass-through, liveness and readiness.
 
+The liveness and readiness probes are served on the admin listener (``proxy.admin``).
+
 An inference request goes: read and parse the body → canonicalize → fingerprint and look up the
 prefix index → choose a replica (``Fleet.route``) → claim it in the index and count it in flight →
 let the dialect prepare the body → relay. A replica that fails before the client received a byte
@@ -36,7 +38,7 @@ from proxy.relay import (
     send_answer,
 )
 from proxy.routing import Decision
-from proxy.state import REQUEST_ID, STATE, T_START, TENANT, ProxyState
+from proxy.state import REQUEST_ID, STATE, T_START, TENANT, ProxyState, proxy_state
 from proxy.store import DEFAULT_NAMESPACE
 from proxy.validation import parse_object, read_body, validate_inference
 
@@ -342,7 +344,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     """Readiness: at least one backend passes its health checks (an ejected one does not)."""
-    state: ProxyState = request.app[STATE]
+    state = proxy_state(request)
     backends = state.fleet.readiness()
     ready = any(backends.values())
     return web.json_response(
