@@ -16,7 +16,6 @@ import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import aiohttp
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -35,6 +34,7 @@ from proxy.redact import Redactor
 from proxy.scheduling import Scheduler
 from proxy.state import REQUEST_ID, STATE, T_START, ProxyState
 from proxy.store import StoreOptions, StoreTimeouts, open_store
+from proxy.upstream import upstream_session
 
 log = get_logger()
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -121,8 +121,7 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
     record_writer = writer or RecordWriter(logger=get_logger("prefixgate.records"))
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
-        session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout())
+        session = upstream_session(limit=0, keepalive_timeout=30.0)
         t = settings.timeouts
         store = open_store(
             redis_url=settings.redis_url,

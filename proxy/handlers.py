@@ -23,7 +23,7 @@ from aiohttp import web
 
 from proxy.backends import CHAT, COMPLETIONS, NATIVE_COMPLETION
 from proxy.canonical import CanonicalResult
-from proxy.errors import BackendUnavailable, NotFound, ProxyError
+from proxy.errors import BackendBadAnswer, BackendUnavailable, NotFound, ProxyError
 from proxy.fleet import Replica
 from proxy.log import get_logger
 from proxy.prefixes import PrefixView, prefix_label
@@ -135,7 +135,11 @@ async def inference(request: web.Request) -> web.StreamResponse:
         return resp
     except ProxyError as exc:
         ex.status, ex.error = exc.status, exc.type
-        if target is not None and isinstance(exc, BackendUnavailable | BackendConnectTimeout):
+        if (
+            target is not None
+            and isinstance(exc, BackendUnavailable | BackendConnectTimeout)
+            and not isinstance(exc, BackendBadAnswer)
+        ):
             state.fleet.report_failure(target.replica, exc.message)
         return exc.to_response(request_id=ex.request_id)
     except asyncio.CancelledError:
@@ -329,6 +333,8 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
 
     try:
         return await forward(order[0])
+    except BackendBadAnswer:
+        raise  # it answered: an odd answer on a pass-through path never ejects a replica
     except (BackendUnavailable, BackendConnectTimeout) as exc:
         state.fleet.report_failure(order[0], exc.message)
         second = next((r for r in order[1:] if r.healthy), None)
