@@ -12,7 +12,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -49,14 +49,25 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_llama_server(*, slots: int = 2, ctx: int = 8192, threads: int = 2) -> Iterator[str]:
+def running_llama_server(
+    *,
+    slots: int = 2,
+    ctx: int = 8192,
+    threads: int = 2,
+    metrics: bool = True,
+    extra: Sequence[str] = (),
+    log_path: Path | None = None,
+) -> Iterator[str]:
     """A llama-server on a free port; yields its base URL; stops it afterwards.
 
     ``threads``: llama.cpp's compute threads spin, so several servers sharing the machine must
-    split its cores between them, or every one of them crawls.
+    split its cores between them, or every one of them crawls. ``metrics``: start it with
+    ``--metrics``; ``extra``: more of its flags; ``log_path``: where its log goes (a test that
+    reads it), else ``$LLAMA_SERVER_LOG`` or nowhere.
     """
     port = free_port()
-    log = open(os.environ.get("LLAMA_SERVER_LOG", os.devnull), "ab")  # noqa: SIM115
+    log_to = log_path or os.environ.get("LLAMA_SERVER_LOG", os.devnull)
+    log = open(log_to, "ab")  # noqa: SIM115
     proc = subprocess.Popen(
         [
             llama_server_binary(),
@@ -72,7 +83,12 @@ def running_llama_server(*, slots: int = 2, ctx: int = 8192, threads: int = 2) -
             str(slots),
             "-t",
             str(threads),
-            "--metrics",
+            *(["--metrics"] if metrics else []),
+            # No weight repacking: a native build repacks into AMX tiles where the CPU reports
+            # them, and a VM that does not grant the tile state dies of SIGILL on the first
+            # matrix multiply. Repacking only changes speed, never results or caching.
+            "--no-repack",
+            *extra,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
