@@ -204,8 +204,8 @@ def auth_middleware(
     traffic application has none since the probes and admin routes moved to the admin listener):
     a request the router matched to one of them is let through without a client key. Anything
     else, the pass-through catch-all included, needs one; so does a method an open route does not
-    serve (it falls through to the catch-all). When keys are enabled the client's Authorization header is removed before the
-    request goes on, so the backend never sees a client's proxy key.
+    serve (it falls through to the catch-all). When keys are enabled the client's Authorization
+    header is removed before the request goes on, so the backend never sees a client's proxy key.
     """
     exempt = frozenset(open_routes)
 
