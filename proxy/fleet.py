@@ -19,8 +19,8 @@ its model when idle; ``GET /slots`` wakes it (even when it answers 501) and, awa
 that restarts its idle timer, so polling it every round would keep the server from ever
 sleeping. ``/health``, ``/props`` and (answered from a cache while asleep) ``/metrics`` do
 neither. So each round also reads llama.cpp's ``/props``: while it says ``is_sleeping`` the
-replica is left alone (no load read, no ``/slots``; its load is zero), and a replica is
-*quiet* (``Replica.load_paused``) once a load read found nothing running or queued while this
+replica is left alone (no load read, no ``/slots``; its load is zero), and a llama.cpp replica
+is *quiet* (``Replica.load_paused``) once a load read found nothing running or queued while this
 proxy had nothing in flight to it: its load is then not read again until the proxy sends it a
 request or it reports work. The scheduler's ``/slots`` reads follow the same rule
 (``Replica.may_poll_slots``). The cost: traffic that reaches a quiet server from elsewhere is
@@ -64,7 +64,8 @@ HEALTH_PATHS: Mapping[str, str] = {"llamacpp": "/health", "vllm": "/health"}
 GENERIC_HEALTH_PATH = "/v1/models"
 UP_BUT_PROTECTED = frozenset({401, 403})
 SLEEP_STATE_PATHS: Mapping[str, str] = {"llamacpp": "/props"}
-"""Where a dialect's server says whether it sleeps, without waking it."""
+"""Where a dialect's server says whether it sleeps, without waking it; its load reads (the ones
+with side effects) pause while it is quiet. vLLM's ``/metrics`` has none: it is always read."""
 
 
 @dataclass(slots=True)
@@ -244,7 +245,8 @@ class Fleet:
             replica.load_paused = replica.in_flight == 0
             return
         last = replica.backend_load
-        if replica.in_flight == 0 and last is not None and last.total == 0:
+        quiet = replica.in_flight == 0 and last is not None and last.total == 0
+        if quiet and replica.dialect.name in SLEEP_STATE_PATHS:
             replica.load_paused = True  # quiet: the last read is still true; ask no more
             return
         replica.load_paused = False

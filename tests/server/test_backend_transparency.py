@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from aiohttp import web
-from fakes import LlamaFake, MakeProxy, fleet_proxy, serve
+from fakes import LlamaFake, MakeProxy, VllmFake, fleet_proxy, serve
 from structlog.testing import LogCapture
 
 from proxy.config import HealthChecks
@@ -176,3 +176,17 @@ async def test_protected_backend_with_its_key(aiohttp_server: Any, make_proxy: M
     assert fake.refused == []
     async with client.post("/v1/chat/completions", json=CHAT) as resp:
         assert resp.status == 200
+
+
+async def test_vllm_load_is_read_every_round(aiohttp_server: Any, make_proxy: MakeProxy) -> None:
+    """vLLM's /metrics has no side effect: read every round, idle or not."""
+    fake = await serve(VllmFake(), aiohttp_server)
+    fake.serve_metrics = True
+    _, _, app = await fleet_proxy(make_proxy, fake)
+    fleet = app[STATE].fleet
+    for _ in range(2):
+        await fleet.check_all()
+    fake.load_running = 2
+    await fleet.check_all()
+    load = fleet[fake.url].backend_load
+    assert load is not None and load.total == 2 and not fleet[fake.url].load_paused
