@@ -241,7 +241,7 @@ class Fleet:
         if replica.asleep:
             replica.backend_load = BackendLoad(0.0, 0.0, SLEEP_STATE_PATHS[replica.dialect.name])
             return
-        if not self.health.backend_load:
+        if not self.health.backend_load or replica.protected:  # a protected one refuses them
             replica.load_paused = replica.in_flight == 0
             return
         last = replica.backend_load
@@ -261,7 +261,9 @@ class Fleet:
     async def _read_sleep(self, replica: Replica) -> None:
         """Whether the server sleeps, from where it says so without waking (llama.cpp /props)."""
         path = SLEEP_STATE_PATHS.get(replica.dialect.name)
-        if path is None:
+        if path is None or replica.protected:
+            # Protected without its key: /props would be refused every round (and logged by the
+            # server), and nothing else in the background reads it anyway.
             replica.asleep = False
             return
         status, props = await probe_json(

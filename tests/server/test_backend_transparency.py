@@ -158,6 +158,10 @@ async def test_protected_backend_without_its_key(
         assert resp.status == 200
     async with client.post("/v1/chat/completions", json=CHAT) as resp:
         assert resp.status == 401  # the backend's own refusal, relayed
+    refused = len(fake.refused)
+    for _ in range(3):
+        await app[STATE].fleet.check_all()
+    assert fake.refused[refused:] == []  # nothing in the background it would refuse
 
 
 async def test_protected_backend_with_its_key(aiohttp_server: Any, make_proxy: MakeProxy) -> None:
