@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PORT ?= 8000
+ADMIN_PORT ?= 8001
 LLAMA_PORT ?= 8080
 # llama.cpp for a portable x86-64 (AVX2): a -march=native build uses every instruction the CPU
 # lists, AMX included, which a virtual machine may not let a process run (SIGILL at the first
@@ -49,7 +50,7 @@ redis:
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server; fi; }
 
 run: deps-real
-	$(PY) deploy/run_local.py --port $(PORT) --llama-port $(LLAMA_PORT)
+	$(PY) deploy/run_local.py --port $(PORT) --admin-port $(ADMIN_PORT) --llama-port $(LLAMA_PORT)
 
 test: deps-real redis nginx chromium
 	$(PY) -m pytest -p no:cacheprovider

@@ -459,15 +459,16 @@ def start_prefixgate(
     extra: Sequence[str] = (),
 ) -> Proc:
     """``prefixgate serve`` in front of ``backend_url``; records in ``extra_files['records']``."""
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     records = workdir / f"{name}-records.jsonl"
     args = [*prefixgate_command(), "serve", "--backend", backend_url, "--port", str(port)]
-    args += ["--log-file", str(records)]
+    args += ["--admin-port", str(admin_port), "--log-file", str(records)]
     if redis_url:
         args += ["--redis-url", redis_url]
     args += list(extra)
     url = f"http://127.0.0.1:{port}"
-    proc = _spawn(name, args, workdir=workdir, ready_url=url + "/readyz", url=url, timeout_s=60)
+    ready = f"http://127.0.0.1:{admin_port}/readyz"  # the admin listener
+    proc = _spawn(name, args, workdir=workdir, ready_url=ready, url=url, timeout_s=60)
     proc.extra_files["records"] = records
     return proc
 

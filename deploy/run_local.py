@@ -39,6 +39,14 @@ Point the OpenAI Python SDK at it:
 
 or: export OPENAI_BASE_URL=http://{host}:{port}/v1 OPENAI_API_KEY=unused
 
+Every other path on :{port} is llama-server's own (its /metrics, /props, /slots, web UI).
+prefixgate's own routes are on its admin port, :{admin_port}:
+
+    dashboard            http://{host}:{admin_port}/dashboard
+    statistics (JSON)    http://{host}:{admin_port}/stats
+    Prometheus metrics   http://{host}:{admin_port}/metrics
+    probes               http://{host}:{admin_port}/healthz, /readyz
+
 One JSON record per request goes to {log}. Ctrl-C stops both servers.
 """
 
@@ -150,7 +158,11 @@ def serve(args: argparse.Namespace, supervisor: Supervisor) -> int:
         return 0
     print(
         SDK_HOWTO.format(
-            host=args.host, port=args.port, llama_port=args.llama_port, log=args.log_file
+            host=args.host,
+            port=args.port,
+            admin_port=args.admin_port,
+            llama_port=args.llama_port,
+            log=args.log_file,
         ),
         flush=True,
     )
@@ -166,6 +178,8 @@ def serve(args: argparse.Namespace, supervisor: Supervisor) -> int:
             args.host,
             "--port",
             str(args.port),
+            "--admin-port",
+            str(args.admin_port),
             "--log-file",
             args.log_file,
             "--server-slot-similarity",
@@ -192,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--admin-port", type=int, default=8001)
     parser.add_argument("--llama-port", type=int, default=8080)
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=8192)

@@ -3,19 +3,20 @@
 #
 #   bash examples/curl.sh [BASE_URL]        (default: $OPENAI_BASE_URL, else http://localhost:8000/v1)
 #
-# Needs curl. MODEL (default smollm2) and OPENAI_API_KEY (default "unused") are read from the
-# environment.
+# Needs curl. MODEL (default smollm2), OPENAI_API_KEY (default "unused") and PREFIXGATE_ADMIN_URL
+# (the proxy's admin port, default http://localhost:8001) are read from the environment.
 set -euo pipefail
 
 BASE_URL="${1:-${OPENAI_BASE_URL:-http://localhost:8000/v1}}"
 BASE_URL="${BASE_URL%/}"
-ROOT_URL="${BASE_URL%/v1}"          # the proxy's own routes live at the root
+ADMIN_URL="${PREFIXGATE_ADMIN_URL:-http://localhost:8001}"   # the proxy's own routes
+ADMIN_URL="${ADMIN_URL%/}"
 MODEL="${MODEL:-smollm2}"
 AUTH="Authorization: Bearer ${OPENAI_API_KEY:-unused}"
 
 echo "== liveness and readiness"
-curl -fsS "$ROOT_URL/healthz"; echo
-curl -sS "$ROOT_URL/readyz"; echo   # 503 with a per-backend map when no backend is healthy
+curl -fsS "$ADMIN_URL/healthz"; echo
+curl -sS "$ADMIN_URL/readyz"; echo   # 503 with a per-backend map when no backend is healthy
 
 echo "== models (passed through to the backend)"
 curl -fsS -H "$AUTH" "$BASE_URL/models"; echo

@@ -1,11 +1,11 @@
 """Read prefixgate's statistics (GET /stats) from a script: hit rates, goodput, savings, prefixes.
 
-    .venv/bin/python examples/stats.py [--base-url URL] [--window 1h] [--model M] [--json]
+    .venv/bin/python examples/stats.py [--admin-url URL] [--window 1h] [--model M] [--json]
 
 /stats aggregates every proxy replica's requests (through Redis when the proxies share one), so
 any replica gives the fleet's view. With --admin-token set on the proxy, pass the same token
-(--admin-token or PREFIXGATE_ADMIN_TOKEN). The base URL comes from --base-url, else
-OPENAI_BASE_URL, else http://localhost:8000/v1; /stats is at its root (without /v1).
+(--admin-token or PREFIXGATE_ADMIN_TOKEN). /stats is on the proxy's admin listener: its URL
+comes from --admin-url, else PREFIXGATE_ADMIN_URL, else http://localhost:8001 (--admin-port).
 Standard library only.
 """
 
@@ -21,8 +21,8 @@ import urllib.request
 from typing import Any
 
 
-def stats_url(base_url: str, window: str, model: str | None, backend: str | None) -> str:
-    root = base_url.rstrip("/").removesuffix("/v1")
+def stats_url(admin_url: str, window: str, model: str | None, backend: str | None) -> str:
+    root = admin_url.rstrip("/")
     query = {"window": window, **({"model": model} if model else {})}
     if backend:
         query["backend"] = backend
@@ -104,7 +104,9 @@ def report(stats: dict[str, Any]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--base-url", default=os.environ.get("OPENAI_BASE_URL", "http://localhost:8000/v1")
+        "--admin-url",
+        default=os.environ.get("PREFIXGATE_ADMIN_URL", "http://localhost:8001"),
+        help="the proxy's admin listener (--admin-port)",
     )
     parser.add_argument("--window", default="1h", help="5m, 1h, 24h or 7d")
     parser.add_argument("--model")
@@ -112,7 +114,7 @@ def main() -> int:
     parser.add_argument("--admin-token", default=os.environ.get("PREFIXGATE_ADMIN_TOKEN"))
     parser.add_argument("--json", action="store_true", help="print the raw JSON")
     args = parser.parse_args()
-    url = stats_url(args.base_url, args.window, args.model, args.backend)
+    url = stats_url(args.admin_url, args.window, args.model, args.backend)
     try:
         stats = fetch(url, args.admin_token)
     except urllib.error.HTTPError as exc:

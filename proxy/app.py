@@ -1,4 +1,9 @@
-"""The aiohttp application: middlewares, routes, and the resources opened with it.
+"""The aiohttp applications: middlewares, routes, and the resources opened with them.
+
+Two applications, on two listeners: the traffic application (``build_app``) serves the inference
+routes and passes every other path through to a backend untouched; its admin application
+(``proxy.admin.build_admin_app``, under ``ADMIN_APP``) serves the proxy's own routes on
+``--admin-port``, so none of them can shadow a path of the backend's.
 
 Resources (the upstream ``ClientSession``, the store, backend detection) are opened and closed
 in one ``cleanup_ctx`` context manager; handlers reach them through the typed ``STATE`` key.
@@ -11,13 +16,12 @@ import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import aiohttp
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from proxy import handlers
-from proxy.admin import install as install_admin
+from proxy.admin import ADMIN_APP, ADMIN_PATHS, build_admin_app
 from proxy.auth import KeysFileError, auth_middleware, load_keys, refuse_ambiguous_paths
 from proxy.canonical import Canonicalizer, config_from_mapping
 from proxy.config import ConfigError, Settings
@@ -30,15 +34,15 @@ from proxy.redact import Redactor
 from proxy.scheduling import Scheduler
 from proxy.state import REQUEST_ID, STATE, T_START, ProxyState
 from proxy.store import StoreOptions, StoreTimeouts, open_store
+from proxy.upstream import upstream_session
 
 log = get_logger()
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-# Routes served without a client API key, by template (the route the router matched, never a
-# path prefix): health probes, and the admin routes (their own token, --admin-token).
-HEALTH_ROUTES = ("/healthz", "/readyz")
-ADMIN_ROUTES = ("/stats", "/metrics", "/dashboard", "/dashboard/", "/dashboard/{asset}")
-OPEN_ROUTES = HEALTH_ROUTES + ADMIN_ROUTES
+# Routes of the traffic application served without a client API key, by template (the route
+# the router matched, never a path prefix): none. The probes and the admin routes are on the
+# admin listener (their own token, --admin-token).
+OPEN_ROUTES: tuple[str, ...] = ()
 
 
 @web.middleware
@@ -101,11 +105,11 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
     if keys.enabled and not settings.admin_token:
         log.warning(
             "admin_routes_unauthenticated",
-            routes=["/stats", "/metrics", "/dashboard"],
+            routes=list(ADMIN_PATHS),
             message=(
                 "client API keys are required on the inference routes, but /stats, /metrics and "
-                "/dashboard are open to anyone who can reach the proxy (every tenant's "
-                "statistics included); set --admin-token (or PREFIXGATE_ADMIN_TOKEN, or "
+                "/dashboard on the admin port are open to anyone who can reach it (every "
+                "tenant's statistics included); set --admin-token (or PREFIXGATE_ADMIN_TOKEN, or "
                 "admin_token in the TOML file) to require a token on them"
             ),
         )
@@ -117,8 +121,7 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
     record_writer = writer or RecordWriter(logger=get_logger("prefixgate.records"))
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
-        session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout())
+        session = upstream_session(limit=0, keepalive_timeout=30.0)
         t = settings.timeouts
         store = open_store(
             redis_url=settings.redis_url,
@@ -171,10 +174,19 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
             await store.aclose()
 
     app.cleanup_ctx.append(resources)
-    app.router.add_get("/healthz", handlers.healthz)
-    app.router.add_get("/readyz", handlers.readyz)
     for path in handlers.INFERENCE_PATHS:
         app.router.add_post(path, handlers.inference)
-    install_admin(app, settings, record_writer)  # before the catch-all: answered here
     app.router.add_route("*", "/{tail:.*}", handlers.passthrough)
+    build_admin_app(
+        app,
+        settings,
+        record_writer,
+        probes=(("/healthz", handlers.healthz), ("/readyz", handlers.readyz)),
+        middlewares=(request_context, refuse_ambiguous_paths),
+    )
     return app
+
+
+def admin_app(app: web.Application) -> web.Application:
+    """The admin application of a traffic application built by ``build_app``."""
+    return app[ADMIN_APP]

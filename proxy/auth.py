@@ -203,12 +203,12 @@ def auth_middleware(
 ) -> Middleware:
     """The middleware that checks client keys and stamps each request's tenant.
 
-    ``open_routes`` are route templates (``/healthz``, ``/dashboard/{asset}``: health and admin
-    routes; admin routes have their own token): a request the router matched to one of them is
-    let through without a client key. Anything else, the pass-through catch-all included, needs
-    one; so does a method an open route does not serve (``POST /healthz`` falls through to the
-    catch-all). When keys are enabled the client's Authorization header is removed before the
-    request goes on, so the backend never sees a client's proxy key.
+    ``open_routes`` are route templates (``/v1/models``-style names, never path prefixes; the
+    traffic application has none since the probes and admin routes moved to the admin listener):
+    a request the router matched to one of them is let through without a client key. Anything
+    else, the pass-through catch-all included, needs one; so does a method an open route does not
+    serve (it falls through to the catch-all). When keys are enabled the client's Authorization
+    header is removed before the request goes on, so the backend never sees a client's proxy key.
     """
     exempt = frozenset(open_routes)
 

@@ -15,9 +15,11 @@ vLLM        ``GET /metrics``: ``vllm:num_requests_running`` + ``vllm:num_request
 other       nothing: the proxy's own counts only
 ==========  ===========================================================================
 
-llama.cpp's ``/slots`` is asked first because it has no side effect: a ``/metrics`` scrape resets
-llama.cpp's windowed throughput gauges (``llamacpp:prompt_tokens_seconds``…), which would skew
-what an operator's own Prometheus scrape of the same server sees.
+llama.cpp's ``/slots`` is asked first because a ``/metrics`` scrape resets llama.cpp's windowed
+throughput gauges (``llamacpp:prompt_tokens_seconds``…), which would skew what an operator's own
+Prometheus scrape of the same server sees. ``/slots`` has a side effect of its own (it wakes a
+server with ``--sleep-idle-seconds`` and restarts its idle timer), so the fleet reads it only
+while there is load to see (``proxy.fleet``: asleep and quiet replicas are not read).
 
 This module names servers because load gauges are not part of any dialect's request/response
 contract; it is the one place that knows them.
@@ -145,7 +147,13 @@ class LoadReader:
         self._preferred: LoadSource | None = None
 
     async def read(
-        self, session: aiohttp.ClientSession, base_url: str, dialect: str, *, timeout_s: float
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        dialect: str,
+        *,
+        timeout_s: float,
+        headers: Mapping[str, str] | None = None,
     ) -> BackendLoad | None:
         """The backend's load now, or None when it does not say (or did not answer)."""
         sources = list(SOURCES.get(dialect, ()))
@@ -153,7 +161,7 @@ class LoadReader:
             sources.remove(self._preferred)
             sources.insert(0, self._preferred)
         for source in sources:
-            load = await _fetch(session, base_url + source.path, source, timeout_s)
+            load = await _fetch(session, base_url + source.path, source, timeout_s, headers)
             if load is not None:
                 self._preferred = source
                 return load
@@ -162,10 +170,16 @@ class LoadReader:
 
 
 async def _fetch(
-    session: aiohttp.ClientSession, url: str, source: LoadSource, timeout_s: float
+    session: aiohttp.ClientSession,
+    url: str,
+    source: LoadSource,
+    timeout_s: float,
+    headers: Mapping[str, str] | None = None,
 ) -> BackendLoad | None:
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.get(
+            url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
             if resp.status != 200 or (resp.content_length or 0) > MAX_BODY_BYTES:
                 return None
             payload = await resp.read()

@@ -58,7 +58,7 @@ def fix_mmap_threshold(size: int = 64 * 1024) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from proxy.app import build_app
+    from proxy.app import admin_app, build_app
     from proxy.log import configure_logging, get_logger
     from proxy.server import run_app
 
@@ -73,11 +73,25 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"prefixgate: {exc}", file=sys.stderr)
         return 2
-    get_logger().info("starting", host=settings.host, port=settings.port)
+    get_logger().info(
+        "starting",
+        host=list(settings.hosts),
+        port=settings.port,
+        admin_host=list(settings.admin_listen),
+        admin_port=settings.admin_port,
+    )
     fix_mmap_threshold()
     # aiohttp with its own error answers in the OpenAI shape, handler cancellation, backlog 2048,
-    # no access log; SIGTERM shuts down gracefully (proxy/server.py).
-    run_app(app, host=settings.host, port=settings.port)
+    # no access log; SIGTERM shuts down gracefully (proxy/server.py). The admin routes listen
+    # apart, on --admin-port.
+    run_app(
+        app,
+        host=settings.hosts,
+        port=settings.port,
+        admin=admin_app(app),
+        admin_host=settings.admin_listen,
+        admin_port=settings.admin_port,
+    )
     return 0
 
 

@@ -69,8 +69,12 @@ class Settings:
     """Everything the proxy is configured with."""
 
     backends: tuple[BackendSpec, ...]
-    host: str = "127.0.0.1"
+    hosts: tuple[str, ...] = ("127.0.0.1",)
+    """Addresses the traffic listener binds (``--host``, several allowed)."""
     port: int = 8000
+    admin_hosts: tuple[str, ...] | None = None
+    """Addresses of the admin listener; None: the traffic listener's."""
+    admin_port: int = 8001
     dialect: str = "auto"
     backend_api_key: str | None = None
     redis_url: str | None = None
@@ -107,6 +111,16 @@ class Settings:
     @property
     def primary_backend(self) -> BackendSpec:
         return self.backends[0]
+
+    @property
+    def host(self) -> str:
+        """The first address the traffic listener binds."""
+        return self.hosts[0]
+
+    @property
+    def admin_listen(self) -> tuple[str, ...]:
+        """Addresses the admin listener binds."""
+        return self.admin_hosts or self.hosts
 
 
 def _bool(value: Any) -> bool:
@@ -181,8 +195,28 @@ OPTIONS: tuple[Option, ...] = (
         repeat=True,
         metavar="URL",
     ),
-    Option("host", str, "address to listen on", "127.0.0.1"),
+    Option(
+        "host",
+        str,
+        "address to listen on (repeat, or comma-separate, for several: 127.0.0.1,::1)",
+        repeat=True,
+        metavar="ADDR",
+    ),
     Option("port", int, "port to listen on", 8000),
+    Option(
+        "admin_host",
+        str,
+        "address of the admin listener (/stats, /dashboard, /metrics, /healthz, /readyz); "
+        "repeat for several (default: the --host addresses)",
+        repeat=True,
+        metavar="ADDR",
+    ),
+    Option(
+        "admin_port",
+        int,
+        "port of the admin listener, apart from the backend's paths (0: any free port)",
+        8001,
+    ),
     Option(
         "dialect",
         str,
@@ -423,7 +457,9 @@ OPTIONS: tuple[Option, ...] = (
         is_flag=True,
     ),
     Option(
-        "admin_token", str, "bearer token required on admin routes (/stats, /dashboard, /metrics)"
+        "admin_token",
+        str,
+        "bearer token required on the admin listener's /stats, /dashboard and /metrics",
     ),
     Option(
         "api_key",
@@ -536,6 +572,21 @@ def _repeated(opt: Option, raw: Any) -> tuple[Any, ...]:
     """A repeated option's values: a list (flags, TOML) or one separated string (environment)."""
     items = raw if isinstance(raw, list | tuple) else str(raw).split(opt.sep)
     return tuple(opt.cast(v) for v in items if str(v).strip())
+
+
+def _listen_hosts(values: tuple[str, ...]) -> tuple[str, ...]:
+    """Listen addresses, each once, in the order given (a ``[::1]`` bracket form is unwrapped)."""
+    out: list[str] = []
+    for value in values:
+        for part in value.split(","):
+            host = part.strip()
+            if host.startswith("[") and host.endswith("]"):
+                host = host[1:-1]
+            if host and host not in out:
+                out.append(host)
+    if not out:
+        raise ConfigError("--host needs at least one address")
+    return tuple(out)
 
 
 def _fleet_settings(values: Mapping[str, Any]) -> tuple[RoutingConfig, HealthChecks]:
@@ -660,10 +711,21 @@ def resolve(
     routing, health = _fleet_settings(values)
     if values["passthrough"] not in PASSTHROUGH_MODES:
         raise ConfigError(f"--passthrough must be one of {', '.join(PASSTHROUGH_MODES)}")
+    hosts = _listen_hosts(values["host"] or ("127.0.0.1",))
+    admin_hosts = _listen_hosts(values["admin_host"]) if values["admin_host"] else None
+    if not 0 <= values["port"] <= 65535 or not 0 <= values["admin_port"] <= 65535:
+        raise ConfigError("--port and --admin-port must be between 0 and 65535")
+    if values["port"] and values["port"] == values["admin_port"]:
+        raise ConfigError(
+            "--admin-port must differ from --port: the admin routes live apart from the "
+            "backend's paths"
+        )
     return Settings(
         backends=tuple(backends),
-        host=values["host"],
+        hosts=hosts,
         port=values["port"],
+        admin_hosts=admin_hosts,
+        admin_port=values["admin_port"],
         dialect=values["dialect"],
         backend_api_key=values["backend_api_key"],
         redis_url=values["redis_url"],

@@ -13,6 +13,7 @@ Upstream statuses and bodies pass through untouched and never become one of thes
     ├── UnsupportedMediaType        415 invalid_request_error
     └── UpstreamError               5xx, the backend could not be used
         ├── BackendUnavailable      502 backend_unavailable (refused, reset, DNS, no replica)
+        │   └── BackendBadAnswer    502 an answer that is not readable HTTP (the replica is up)
         └── BackendTimeout          504 backend_timeout (connect or idle read timed out)
 
 Low-level exceptions (aiohttp, asyncio) are translated at the boundary, in ``relay.py``, with
@@ -104,6 +105,12 @@ class BackendUnavailable(UpstreamError):
     status = 502
     type = "backend_unavailable"
     code = "backend_unreachable"
+
+
+class BackendBadAnswer(BackendUnavailable):
+    """502: the backend answered, but not in HTTP the proxy can read (it is up: not ejected)."""
+
+    code = "backend_bad_answer"
 
 
 class BackendTimeout(UpstreamError):

@@ -5,12 +5,26 @@ forced by configuration), what the server said about itself (slots, context size
 own count of requests in flight to it, its health and, where the server reports it, its own load.
 
 Health. A background monitor checks every replica on ``HealthChecks.interval_s``: ``GET /health``
-for llama.cpp and vLLM, ``GET /v1/models`` for any other server; a 200 within the timeout passes.
+for llama.cpp and vLLM, ``GET /v1/models`` for any other server; a 200 within the timeout passes,
+and so does a 401 or 403 (the server is up, and wants an API key the proxy was not given:
+``--backend-api-key``; the probes and load reads send it when it is).
 ``HealthChecks.failures`` consecutive failures eject the replica, and so does a connection error
 seen by live traffic (``report_failure``); one passing check brings it back. A replica that could
 not be reached at start-up starts ejected and is detected again by the same monitor, so the proxy
 can start before its backends. The same round reads each healthy backend's own load
 (``proxy.backend_metrics``), so nothing on the request path waits for a backend's metrics.
+
+Background work leaves the backend as it is. llama-server with ``--sleep-idle-seconds`` unloads
+its model when idle; ``GET /slots`` wakes it (even when it answers 501) and, awake, posts a task
+that restarts its idle timer, so polling it every round would keep the server from ever
+sleeping. ``/health``, ``/props`` and (answered from a cache while asleep) ``/metrics`` do
+neither. So each round also reads llama.cpp's ``/props``: while it says ``is_sleeping`` the
+replica is left alone (no load read, no ``/slots``; its load is zero), and a llama.cpp replica
+is *quiet* (``Replica.load_paused``) once a load read found nothing running or queued while this
+proxy had nothing in flight to it: its load is then not read again until the proxy sends it a
+request or it reports work. The scheduler's ``/slots`` reads follow the same rule
+(``Replica.may_poll_slots``). The cost: traffic that reaches a quiet server from elsewhere is
+seen at the first round after this proxy next sends it a request.
 
 Routing. ``route`` turns what the prefix index said about a request (matched blocks per replica,
 shared in-flight counts, the traffic-shared depth) plus health, weights and loads into
@@ -30,7 +44,14 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from proxy.backend_metrics import BackendLoad, LoadReader
-from proxy.backends import BackendInfo, Dialect, detect_dialect, dialect_named
+from proxy.backends import (
+    BackendInfo,
+    Dialect,
+    detect_dialect,
+    dialect_named,
+    is_sleeping,
+    probe_json,
+)
 from proxy.config import BackendSpec, HealthChecks, Settings
 from proxy.log import get_logger
 from proxy.prefixes import PrefixView
@@ -41,6 +62,10 @@ log = get_logger()
 DEFAULT_CAPACITY_TOKENS = 131_072
 HEALTH_PATHS: Mapping[str, str] = {"llamacpp": "/health", "vllm": "/health"}
 GENERIC_HEALTH_PATH = "/v1/models"
+UP_BUT_PROTECTED = frozenset({401, 403})
+SLEEP_STATE_PATHS: Mapping[str, str] = {"llamacpp": "/props"}
+"""Where a dialect's server says whether it sleeps, without waking it; its load reads (the ones
+with side effects) pause while it is quiet. vLLM's ``/metrics`` has none: it is always read."""
 
 
 @dataclass(slots=True)
@@ -61,6 +86,17 @@ class Replica:
     backend_load: BackendLoad | None = None
     """The backend's own load at the last poll; None when it does not report one."""
     load_reader: LoadReader = field(default_factory=LoadReader)
+    asleep: bool = False
+    """Its ``/props`` said ``is_sleeping`` at the last round: background reads leave it be."""
+    load_paused: bool = False
+    """Quiet at the last round (nothing running there, nothing in flight from this proxy)."""
+    protected: bool = False
+    """It refused a probe for want of an API key: up, behind ``--api-key``."""
+
+    @property
+    def may_poll_slots(self) -> bool:
+        """Whether a background ``/slots`` read leaves the server as it is (module docstring)."""
+        return not self.asleep and not self.load_paused
 
     @property
     def url(self) -> str:
@@ -169,15 +205,17 @@ class Fleet:
         dialect = (
             dialect_named(self._forced)
             if self._forced is not None
-            else await detect_dialect(session, replica.url)
+            else await detect_dialect(session, replica.url, headers=self._headers)
         )
         if dialect is None:
             if replica.failures == 0:  # once per incident, not every round
                 log.warning("backend_unreachable_at_startup", backend=replica.url)
             return
         replica.dialect = dialect
-        replica.info = await dialect.describe(session, replica.url)
+        replica.info = await dialect.describe(session, replica.url, headers=self._headers)
         replica.detected = True
+        if replica.info.protected:
+            self._note_protected(replica)
         log.info(
             "backend_detected",
             backend=replica.url,
@@ -199,13 +237,57 @@ class Fleet:
                 self._fail(replica, error)
             return
         self._pass(replica)
-        if self.health.backend_load:
-            replica.backend_load = await replica.load_reader.read(
-                self._client(),
-                replica.url,
-                replica.dialect.name,
-                timeout_s=self.health.timeout_s,
+        await self._read_sleep(replica)
+        if replica.asleep:
+            replica.backend_load = BackendLoad(0.0, 0.0, SLEEP_STATE_PATHS[replica.dialect.name])
+            return
+        if not self.health.backend_load or replica.protected:  # a protected one refuses them
+            replica.load_paused = replica.in_flight == 0
+            return
+        last = replica.backend_load
+        quiet = replica.in_flight == 0 and last is not None and last.total == 0
+        if quiet and replica.dialect.name in SLEEP_STATE_PATHS:
+            replica.load_paused = True  # quiet: the last read is still true; ask no more
+            return
+        replica.load_paused = False
+        replica.backend_load = await replica.load_reader.read(
+            self._client(),
+            replica.url,
+            replica.dialect.name,
+            timeout_s=self.health.timeout_s,
+            headers=self._headers,
+        )
+
+    async def _read_sleep(self, replica: Replica) -> None:
+        """Whether the server sleeps, from where it says so without waking (llama.cpp /props)."""
+        path = SLEEP_STATE_PATHS.get(replica.dialect.name)
+        if path is None or replica.protected:
+            # Protected without its key: /props would be refused every round (and logged by the
+            # server), and nothing else in the background reads it anyway.
+            replica.asleep = False
+            return
+        status, props = await probe_json(
+            self._client(), replica.url + path, self.health.timeout_s, headers=self._headers
+        )
+        if status in UP_BUT_PROTECTED:
+            self._note_protected(replica)
+        asleep = status == 200 and is_sleeping(props)
+        if asleep != replica.asleep:
+            log.info("backend_sleeping" if asleep else "backend_awake", backend=replica.url)
+        replica.asleep = asleep
+
+    def _note_protected(self, replica: Replica) -> None:
+        if not replica.protected:
+            log.warning(
+                "backend_protected",
+                backend=replica.url,
+                message=(
+                    "the backend asks for an API key the proxy was not given: it is served, "
+                    "but what it would say about itself (slots, load) is unknown; set "
+                    "--backend-api-key (PREFIXGATE_BACKEND_API_KEY)"
+                ),
             )
+        replica.protected = True
 
     async def _probe(self, replica: Replica) -> str | None:
         """One health check: None when it passed, else what went wrong."""
@@ -215,6 +297,9 @@ class Fleet:
                 replica.url + replica.health_path, headers=self._headers, timeout=timeout
             ) as resp:
                 await resp.read()
+                if resp.status in UP_BUT_PROTECTED:
+                    self._note_protected(replica)
+                    return None
                 return (
                     None if resp.status == 200 else f"{replica.health_path} answered {resp.status}"
                 )

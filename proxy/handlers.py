@@ -1,5 +1,7 @@
 """Request handlers: inference routes, transparent pass-through, liveness and readiness.
 
+The liveness and readiness probes are served on the admin listener (``proxy.admin``).
+
 An inference request goes: read and parse the body → canonicalize → fingerprint and look up the
 prefix index → choose a replica (``Fleet.route``) → claim it in the index and count it in flight →
 let the dialect prepare the body → relay. A replica that fails before the client received a byte
@@ -22,7 +24,13 @@ from aiohttp import web
 
 from proxy.backends import CHAT, COMPLETIONS, MESSAGES, NATIVE_COMPLETION, RESPONSES
 from proxy.canonical import CanonicalResult
-from proxy.errors import BackendUnavailable, NotFound, ProxyError, anthropic_error_response
+from proxy.errors import (
+    BackendBadAnswer,
+    BackendUnavailable,
+    NotFound,
+    ProxyError,
+    anthropic_error_response,
+)
 from proxy.fleet import Replica
 from proxy.hosted import PROMPT_CACHE_KEY, AffinityKey
 from proxy.log import get_logger
@@ -38,7 +46,7 @@ from proxy.relay import (
     send_answer,
 )
 from proxy.routing import Decision
-from proxy.state import REQUEST_ID, STATE, T_START, TENANT, ProxyState
+from proxy.state import REQUEST_ID, STATE, T_START, TENANT, ProxyState, proxy_state
 from proxy.store import DEFAULT_NAMESPACE
 from proxy.validation import parse_object, read_body, validate_inference
 
@@ -145,7 +153,11 @@ async def inference(request: web.Request) -> web.StreamResponse:
         return resp
     except ProxyError as exc:
         ex.status, ex.error = exc.status, exc.type
-        if target is not None and isinstance(exc, BackendUnavailable | BackendConnectTimeout):
+        if (
+            target is not None
+            and isinstance(exc, BackendUnavailable | BackendConnectTimeout)
+            and not isinstance(exc, BackendBadAnswer)
+        ):
             state.fleet.report_failure(target.replica, exc.message)
         if route == MESSAGES:
             return anthropic_error_response(exc, request_id=ex.request_id)
@@ -353,6 +365,8 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
 
     try:
         return await forward(order[0])
+    except BackendBadAnswer:
+        raise  # it answered: an odd answer on a pass-through path never ejects a replica
     except (BackendUnavailable, BackendConnectTimeout) as exc:
         state.fleet.report_failure(order[0], exc.message)
         second = next((r for r in order[1:] if r.healthy), None)
@@ -368,7 +382,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     """Readiness: at least one backend passes its health checks (an ejected one does not)."""
-    state: ProxyState = request.app[STATE]
+    state = proxy_state(request)
     backends = state.fleet.readiness()
     ready = any(backends.values())
     return web.json_response(

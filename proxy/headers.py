@@ -56,9 +56,15 @@ def upstream_request_headers(
     return out
 
 
-def downstream_response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
-    """Headers to relay to the client from the backend's response."""
-    skip = _RESPONSE_DROP | _connection_tokens(upstream)
+def downstream_response_headers(
+    upstream: Mapping[str, str], *, bodiless: bool = False
+) -> CIMultiDict[str]:
+    """Headers to relay to the client from the backend's response.
+
+    ``bodiless``: the answer has no body (``HEAD``, ``204``, ``304``), so nothing was decoded
+    and ``Content-Length`` and ``Content-Encoding`` describe the resource: they stay as sent.
+    """
+    skip = (HOP_BY_HOP if bodiless else _RESPONSE_DROP) | _connection_tokens(upstream)
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in upstream.items():
         if key.lower() not in skip:

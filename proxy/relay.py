@@ -35,6 +35,7 @@ from proxy.backends.apis import MESSAGES, RESPONSES
 from proxy.backends.base import COMPLETIONS, NATIVE_COMPLETION
 from proxy.config import Timeouts
 from proxy.errors import (
+    BackendBadAnswer,
     BackendTimeout,
     BackendUnavailable,
     ProxyError,
@@ -80,7 +81,8 @@ class NotStarted(Exception):
 
     @property
     def connection_failed(self) -> bool:
-        return self.failure is not None
+        """Whether the replica is suspect (an unreadable answer is not a connection failure)."""
+        return self.failure is not None and not isinstance(self.failure, BackendBadAnswer)
 
 
 @dataclass(slots=True)
@@ -104,6 +106,11 @@ class Exchange:
     """The proxy's own headers on the client's response (set before it starts)."""
     send_timeout_s: float | None = None
     """Longest a client may leave a write unaccepted before it is cut off (None: forever)."""
+
+
+def is_bodiless(method: str, status: int) -> bool:
+    """Whether an answer has no body by definition: to a ``HEAD``, or ``1xx``, ``204``, ``304``."""
+    return method == "HEAD" or status < 200 or status in (204, 304)
 
 
 def upstream_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
@@ -158,6 +165,9 @@ async def open_upstream(
         raise BackendConnectTimeout(f"backend connect timed out: {url}") from exc
     except TimeoutError as exc:
         raise BackendTimeout(f"backend did not answer in time: {url}") from exc
+    except aiohttp.ClientResponseError as exc:
+        # It answered, in bytes the parser refuses: one odd answer, not a replica that is down.
+        raise BackendBadAnswer(f"backend answered unreadable HTTP: {exc.message[:80]}") from exc
     except aiohttp.ClientError as exc:
         raise BackendUnavailable(f"backend unreachable: {exc.__class__.__name__}") from exc
 
@@ -533,11 +543,16 @@ async def relay_passthrough(
         backend_api_key=backend_api_key,
     )
     async with upstream:
+        bodiless = is_bodiless(request.method, upstream.status)
         resp = web.StreamResponse(
-            status=upstream.status, headers=downstream_response_headers(upstream.headers)
+            status=upstream.status,
+            headers=downstream_response_headers(upstream.headers, bodiless=bodiless),
         )
         resp.headers["X-Request-Id"] = request_id
         await resp.prepare(request)
+        if bodiless:  # the head is the whole answer (aiohttp writes no body for these either)
+            await _write(request, resp, None, timeouts.client)
+            return resp
         try:
             async for chunk in upstream.content.iter_any():
                 if not await _write(request, resp, chunk, timeouts.client):

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
@@ -190,11 +191,25 @@ def make_runner(app: web.Application, **kwargs: Any) -> JsonErrorAppRunner:
     return JsonErrorAppRunner(app, **(options | kwargs))
 
 
-async def serve_app(app: web.Application, *, host: str, port: int, backlog: int = BACKLOG) -> None:
-    """Serve ``app`` until SIGTERM or SIGINT, then shut down gracefully.
+def _hosts(host: str | Sequence[str]) -> list[str]:
+    return [host] if isinstance(host, str) else list(host)
 
-    The first signal stops listening, lets requests in flight finish (up to
-    ``SHUTDOWN_TIMEOUT_S``) and runs the app's shutdown and cleanup hooks. A second one cuts
+
+async def serve_app(
+    app: web.Application,
+    *,
+    host: str | Sequence[str],
+    port: int,
+    admin: web.Application | None = None,
+    admin_host: str | Sequence[str] | None = None,
+    admin_port: int = 0,
+    backlog: int = BACKLOG,
+) -> None:
+    """Serve ``app`` on every address in ``host`` (and ``admin`` on its own) until a signal.
+
+    ``app`` starts first and stops last: the admin application reads its state. The first
+    SIGTERM or SIGINT stops listening, lets requests in flight finish (up to
+    ``SHUTDOWN_TIMEOUT_S``) and runs the apps' shutdown and cleanup hooks. A second one cuts
     the wait short: the connections still open are aborted (their handlers are cancelled, and
     with them their upstream requests), and the cleanup hooks still run, so the store, the
     backend connections and the record writer are closed as on a normal stop. A third one gives
@@ -204,14 +219,17 @@ async def serve_app(app: web.Application, *, host: str, port: int, backlog: int 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     main = asyncio.current_task()
-    runner = make_runner(app)
+    runners = [make_runner(app)]
+    if admin is not None:
+        runners.append(make_runner(admin))
     received = 0
 
     def on_signal() -> None:
         nonlocal received
         received += 1
         if received == 2:
-            abort_connections(runner)
+            for runner in runners:
+                abort_connections(runner)
         elif received > 2 and main is not None:
             main.cancel()
         stop.set()
@@ -220,18 +238,43 @@ async def serve_app(app: web.Application, *, host: str, port: int, backlog: int 
     for sig in signals:
         with contextlib.suppress(NotImplementedError):  # no add_signal_handler on Windows
             loop.add_signal_handler(sig, on_signal)
+    started: list[JsonErrorAppRunner] = []
     try:
-        await runner.setup()
-        try:
-            if not stop.is_set():
-                await web.TCPSite(runner, host, port, backlog=backlog).start()
-                await stop.wait()
-        finally:
-            await runner.cleanup()
+        for runner in runners:
+            if stop.is_set():
+                break
+            await runner.setup()
+            started.append(runner)
+        if not stop.is_set():
+            listeners = [(runners[0], _hosts(host), port)]
+            if admin is not None:
+                listeners.append((runners[1], _hosts(admin_host or host), admin_port))
+            for runner, hosts, at in listeners:
+                for address in hosts:
+                    await web.TCPSite(runner, address, at, backlog=backlog).start()
+            _log.info(
+                "listening",
+                traffic=_urls(runners[0]),
+                admin=_urls(runners[1]) if admin is not None else [],
+            )
+            await stop.wait()
     finally:
-        for sig in signals:
-            with contextlib.suppress(NotImplementedError):
-                loop.remove_signal_handler(sig)
+        try:
+            for runner in reversed(started):
+                await runner.cleanup()
+        finally:
+            for sig in signals:
+                with contextlib.suppress(NotImplementedError):
+                    loop.remove_signal_handler(sig)
+
+
+def _urls(runner: web.BaseRunner) -> list[str]:
+    """``http://host:port`` of each socket ``runner`` listens on (the port a 0 was given)."""
+    out = []
+    for address in runner.addresses:
+        host, port = address[0], address[1]
+        out.append(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
+    return out
 
 
 def abort_connections(runner: web.BaseRunner) -> None:
@@ -246,10 +289,29 @@ def abort_connections(runner: web.BaseRunner) -> None:
             transport.abort()
 
 
-def run_app(app: web.Application, *, host: str, port: int, backlog: int = BACKLOG) -> None:
+def run_app(
+    app: web.Application,
+    *,
+    host: str | Sequence[str],
+    port: int,
+    admin: web.Application | None = None,
+    admin_host: str | Sequence[str] | None = None,
+    admin_port: int = 0,
+    backlog: int = BACKLOG,
+) -> None:
     """``web.run_app`` for the proxy: ``serve_app`` on a new event loop, returning when it ends.
 
     Returns normally after a signal, even when a third one abandoned the cleanup.
     """
     with contextlib.suppress(asyncio.CancelledError, KeyboardInterrupt):
-        asyncio.run(serve_app(app, host=host, port=port, backlog=backlog))
+        asyncio.run(
+            serve_app(
+                app,
+                host=host,
+                port=port,
+                admin=admin,
+                admin_host=admin_host,
+                admin_port=admin_port,
+                backlog=backlog,
+            )
+        )

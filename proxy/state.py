@@ -34,6 +34,14 @@ class ProxyState:
 
 
 STATE = web.AppKey("prefixgate_state", ProxyState)
+PROXY_APP = web.AppKey("prefixgate_proxy_app", web.Application)
+"""On the admin application: the traffic application whose state it reports."""
 REQUEST_ID = web.RequestKey("prefixgate_request_id", str)
 T_START = web.RequestKey("prefixgate_t_start", float)
 TENANT = web.RequestKey("prefixgate_tenant", str)
+
+
+def proxy_state(request: web.Request) -> ProxyState:
+    """The proxy's state, from a handler of the traffic or of the admin application."""
+    app = request.app.get(PROXY_APP, request.app)
+    return app[STATE]

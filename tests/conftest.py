@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -65,8 +65,12 @@ async def vllm_fake(aiohttp_server: Any) -> VllmFake:
 
 
 @pytest.fixture
-def make_proxy(aiohttp_client: Any) -> MakeProxy:
-    """Factory: the proxy in front of ``backend_url`` with ``Settings`` overrides."""
+async def make_proxy() -> AsyncIterator[MakeProxy]:
+    """Factory: the proxy in front of ``backend_url`` with ``Settings`` overrides.
+
+    The client it returns speaks to the traffic listener; ``client.admin`` to the admin one.
+    """
+    opened: list[ProxyClient] = []
 
     async def make(
         backend_url: str, **overrides: Any
@@ -77,10 +81,14 @@ def make_proxy(aiohttp_client: Any) -> MakeProxy:
         writer = RecordWriter(logger=get_logger("prefixgate.records"))
         writer.add_sink(records.append)
         app = build_app(settings, writer=writer)
-        client = await aiohttp_client(app)
+        client = ProxyClient(app)
+        opened.append(client)
+        await client.start_server()
         return client, records, app
 
-    return make
+    yield make
+    for client in reversed(opened):
+        await client.close()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -33,8 +33,9 @@ from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
-from aiohttp.test_utils import TestClient
+from aiohttp.test_utils import TestClient, TestServer
 
+from proxy.app import admin_app
 from proxy.config import BackendSpec, HealthChecks
 from proxy.records import RequestRecord
 from proxy.routing import RoutingConfig
@@ -74,7 +75,28 @@ class RecordLog(list[RequestRecord]):
         return self[n - 1]
 
 
-ProxyClient = TestClient[web.Request, web.Application]
+class ProxyClient(TestClient[web.Request, web.Application]):
+    """A test client of the proxy's traffic listener; ``admin`` is one of its admin listener.
+
+    The traffic application starts first (its start-up opens the state the admin routes read)
+    and stops last.
+    """
+
+    def __init__(self, app: web.Application) -> None:
+        super().__init__(TestServer(app))
+        self.admin: TestClient[web.Request, web.Application] = TestClient(
+            TestServer(admin_app(app))
+        )
+
+    async def start_server(self) -> None:
+        await super().start_server()
+        await self.admin.start_server()
+
+    async def close(self) -> None:
+        await self.admin.close()
+        await super().close()
+
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MakeProxy = Callable[..., Awaitable[tuple[ProxyClient, RecordLog, web.Application]]]
 

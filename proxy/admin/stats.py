@@ -27,7 +27,7 @@ from aiohttp import web
 from proxy.errors import BadRequest
 from proxy.fleet import Replica
 from proxy.records import Slo
-from proxy.state import STATE, ProxyState
+from proxy.state import ProxyState, proxy_state
 from proxy.store import DEFAULT_NAMESPACE, StatsWindow, Tally
 
 SCHEMA = "prefixgate.stats/v1"
@@ -173,7 +173,7 @@ async def stats(request: web.Request) -> web.Response:
     if repeated:
         raise BadRequest(f"parameter {repeated[0]!r} given more than once", param=repeated[0])
     query = parse_query(request.query)
-    body = await build_stats(request.app[STATE], query, now=time.time())
+    body = await build_stats(proxy_state(request), query, now=time.time())
     return web.Response(
         body=orjson.dumps(body),
         content_type="application/json",

@@ -16,7 +16,13 @@ from proxy.backends.base import (
     Dialect,
     EventKind,
 )
-from proxy.backends.llamacpp import LlamaCppDialect, fetch_json
+from proxy.backends.llamacpp import (
+    LlamaCppDialect,
+    fetch_json,
+    is_sleeping,
+    probe_json,
+    refused_by_llamacpp,
+)
 from proxy.backends.vllm import VllmDialect
 
 DIALECTS: Mapping[str, type[Dialect]] = {
@@ -33,28 +39,36 @@ def dialect_named(name: str) -> Dialect:
     return DIALECTS[name]()
 
 
-async def detect_dialect(session: aiohttp.ClientSession, base_url: str) -> Dialect | None:
+async def detect_dialect(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+) -> Dialect | None:
     """Ask the server who it is: llama.cpp answers ``/props``, vLLM answers ``/version``.
 
-    Returns None when the backend cannot be reached (the caller retries later); a reachable
-    server that answers neither is treated as a generic OpenAI-compatible one.
+    ``headers`` carry the proxy's key for the backend, if it has one. A llama-server started
+    with ``--api-key`` refuses ``/props`` without it, in its own error shape, while its
+    ``/health`` stays public: that pair is llama.cpp too (up, protected). Returns None when the
+    backend cannot be reached (the caller retries later); a reachable server that answers
+    neither is treated as a generic OpenAI-compatible one.
     """
-    props = await fetch_json(session, base_url + "/props")
-    if isinstance(props, Mapping) and (
-        "default_generation_settings" in props or "total_slots" in props
+    status, props = await probe_json(session, base_url + "/props", headers=headers)
+    if (
+        status == 200
+        and isinstance(props, Mapping)
+        and ("default_generation_settings" in props or "total_slots" in props)
     ):
         return LlamaCppDialect()
-    version = await fetch_json(session, base_url + "/version")
+    if refused_by_llamacpp(status, props):
+        _, health = await probe_json(session, base_url + "/health", headers=headers)
+        if isinstance(health, Mapping) and health.get("status") == "ok":
+            return LlamaCppDialect()
+    version = await fetch_json(session, base_url + "/version", headers=headers)
     if isinstance(version, Mapping) and "version" in version:
         return VllmDialect()
-    try:
-        async with session.get(
-            base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=3)
-        ) as resp:
-            await resp.read()
-            if resp.status >= 500:  # e.g. llama-server answers 503 while loading its model
-                return None
-    except (aiohttp.ClientError, TimeoutError):
+    status, _ = await probe_json(session, base_url + "/v1/models", headers=headers)
+    if status is None or status >= 500:  # e.g. llama-server answers 503 while loading its model
         return None
     return Dialect()
 
@@ -76,4 +90,6 @@ __all__ = [
     "VllmDialect",
     "detect_dialect",
     "dialect_named",
+    "is_sleeping",
+    "probe_json",
 ]

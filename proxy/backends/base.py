@@ -40,6 +40,8 @@ class BackendInfo:
     model: str | None = None
     slots: int | None = None
     ctx_per_slot: int | None = None
+    protected: bool = False
+    """It refused the proxy's start-up probes for want of an API key (``--backend-api-key``)."""
 
     @property
     def capacity_tokens(self) -> int | None:
@@ -161,6 +163,13 @@ class Dialect:
 
     # -- start-up ----------------------------------------------------------------------------
 
-    async def describe(self, session: aiohttp.ClientSession, base_url: str) -> BackendInfo:
-        """What the backend says about itself; the generic server says nothing."""
+    async def describe(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+    ) -> BackendInfo:
+        """What the backend says about itself (``headers``: the proxy's key for it, if any); the
+        generic server says nothing."""
         return BackendInfo(dialect=self.name)

@@ -80,9 +80,17 @@ class LlamaCppDialect(Dialect):
         timings = usage_event.get("timings")
         return {"timings": timings} if timings is not None else {}
 
-    async def describe(self, session: aiohttp.ClientSession, base_url: str) -> BackendInfo:
-        props = await fetch_json(session, base_url + "/props")
-        if not isinstance(props, Mapping):
+    async def describe(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+    ) -> BackendInfo:
+        status, props = await probe_json(session, base_url + "/props", headers=headers)
+        if status in AUTH_REFUSED:  # started with --api-key, and the proxy has not got it
+            return BackendInfo(dialect=self.name, protected=True)
+        if status != 200 or not isinstance(props, Mapping):
             return BackendInfo(dialect=self.name)
         settings = props.get("default_generation_settings")
         n_ctx = _int(settings.get("n_ctx")) if isinstance(settings, Mapping) else None
@@ -95,12 +103,57 @@ class LlamaCppDialect(Dialect):
         )
 
 
-async def fetch_json(session: aiohttp.ClientSession, url: str, limit_s: float = 3.0) -> Any:
-    """GET ``url`` and decode JSON; None on any failure (start-up probing must not raise)."""
+AUTH_REFUSED = frozenset({401, 403})
+
+
+def is_sleeping(props: Any) -> bool:
+    """Whether a ``/props`` answer says the server is asleep (``--sleep-idle-seconds``)."""
+    return isinstance(props, Mapping) and props.get("is_sleeping") is True
+
+
+def refused_by_llamacpp(status: int | None, body: Any) -> bool:
+    """Whether an answer is llama-server's own API-key refusal (its error shape, integer code).
+
+    ``{"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}``
+    """
+    if status not in AUTH_REFUSED or not isinstance(body, Mapping):
+        return False
+    error = body.get("error")
+    return (
+        isinstance(error, Mapping)
+        and error.get("code") == status
+        and error.get("type") == "authentication_error"
+    )
+
+
+async def probe_json(
+    session: aiohttp.ClientSession,
+    url: str,
+    limit_s: float = 3.0,
+    *,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[int | None, Any]:
+    """GET ``url``: its status and its body as JSON (None when it is not JSON); a status of None
+    when it could not be reached. Never raises (start-up probing must not)."""
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=limit_s)) as resp:
-            if resp.status != 200:
-                return None
-            return await resp.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        return None
+        async with session.get(
+            url, headers=headers, timeout=aiohttp.ClientTimeout(total=limit_s)
+        ) as resp:
+            try:
+                return resp.status, await resp.json(content_type=None)
+            except ValueError:
+                return resp.status, None
+    except (aiohttp.ClientError, TimeoutError):
+        return None, None
+
+
+async def fetch_json(
+    session: aiohttp.ClientSession,
+    url: str,
+    limit_s: float = 3.0,
+    *,
+    headers: Mapping[str, str] | None = None,
+) -> Any:
+    """GET ``url`` and decode JSON; None on any failure (start-up probing must not raise)."""
+    status, body = await probe_json(session, url, limit_s, headers=headers)
+    return body if status == 200 else None

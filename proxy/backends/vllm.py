@@ -73,8 +73,14 @@ class VllmDialect(Dialect):
             self._read_metrics(obj, obs)
         return kind
 
-    async def describe(self, session: aiohttp.ClientSession, base_url: str) -> BackendInfo:
-        models = await fetch_json(session, base_url + "/v1/models")
+    async def describe(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+    ) -> BackendInfo:
+        models = await fetch_json(session, base_url + "/v1/models", headers=headers)
         model = None
         ctx = None
         if isinstance(models, Mapping) and isinstance(models.get("data"), list) and models["data"]:

@@ -424,6 +424,8 @@ class Scheduler:
                     continue
                 if not state.endpoint.slots_supported or not self.pins(replica):
                     continue
+                if not replica.may_poll_slots:
+                    continue  # asleep or quiet: a /slots read would wake it or keep it awake
                 try:
                     await self.refresh(state)
                 except Exception:  # the reader must outlive any one odd answer

@@ -39,7 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from chromium import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 from fakes import LlamaFake  # noqa: E402
 
-from proxy.app import build_app  # noqa: E402
+from proxy.app import admin_app, build_app  # noqa: E402
 from proxy.config import Settings, resolve  # noqa: E402
 from proxy.log import configure_logging, get_logger  # noqa: E402
 from proxy.records import Pricing, RecordWriter, RequestRecord, Slo  # noqa: E402
@@ -184,6 +184,8 @@ async def main(out: Path, window: str, width: int) -> None:
     app = build_app(settings, writer=writer)
     proxy_runner, base = await start(app)
     runners.append(proxy_runner)
+    admin_runner, admin_base = await start(admin_app(app))
+    runners.append(admin_runner)
     try:
         await live_traffic(base, rng)
         await writer.drain()
@@ -195,7 +197,7 @@ async def main(out: Path, window: str, width: int) -> None:
             page = await browser.new_page(
                 viewport={"width": width, "height": 900}, color_scheme="light"
             )
-            await page.goto(f"{base}/dashboard?window={window}")
+            await page.goto(f"{admin_base}/dashboard?window={window}")
             await page.wait_for_selector("body[data-state=data]")
             out.parent.mkdir(parents=True, exist_ok=True)
             await page.screenshot(path=str(out), full_page=True)

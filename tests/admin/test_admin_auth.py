@@ -19,7 +19,7 @@ async def test_open_without_a_token(
 ) -> None:
     """With no admin token configured, the admin routes answer anyone."""
     client, _, _ = await make_proxy(llama_fake.url)
-    async with client.get(path) as resp:
+    async with client.admin.get(path) as resp:
         assert resp.status == 200
 
 
@@ -34,7 +34,7 @@ async def test_missing_or_wrong_token_is_401(
     """Without the right token: 401 in the OpenAI error shape, with Bearer and Basic challenges."""
     client, _, _ = await make_proxy(llama_fake.url, admin_token=TOKEN)
     headers = {"Authorization": authorization} if authorization is not None else {}
-    async with client.get(path, headers=headers) as resp:
+    async with client.admin.get(path, headers=headers) as resp:
         assert resp.status == 401
         body = await resp.json()
         challenges = resp.headers.getall("WWW-Authenticate")
@@ -53,7 +53,7 @@ async def test_bearer_and_basic_tokens_are_accepted(
     client, _, _ = await make_proxy(llama_fake.url, admin_token=TOKEN)
     basic = base64.b64encode(f"admin:{TOKEN}".encode()).decode()
     for authorization in ("Bearer " + TOKEN, "bearer  " + TOKEN, "Basic " + basic):
-        async with client.get(path, headers={"Authorization": authorization}) as resp:
+        async with client.admin.get(path, headers={"Authorization": authorization}) as resp:
             assert resp.status == 200, authorization
 
 
@@ -63,7 +63,7 @@ async def test_token_does_not_guard_inference(llama_fake: LlamaFake, make_proxy:
     body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
     async with client.post("/v1/chat/completions", json=body) as resp:
         assert resp.status == 200
-    async with client.get("/healthz") as resp:
+    async with client.admin.get("/healthz") as resp:
         assert resp.status == 200
 
 

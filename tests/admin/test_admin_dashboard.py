@@ -84,7 +84,7 @@ async def test_empty_state_behind_the_admin_token(
     from playwright.async_api import Error as PlaywrightError
 
     client, _, _ = await make_proxy(llama_fake.url, admin_token=TOKEN)
-    url = str(client.make_url("/dashboard"))
+    url = str(client.admin.make_url("/dashboard"))
     anonymous = await (await browser.new_context()).new_page()
     with pytest.raises(PlaywrightError, match="ERR_INVALID_AUTH_CREDENTIALS"):
         await anonymous.goto(url)  # 401, and no credentials to offer: headless cannot prompt
@@ -117,10 +117,10 @@ async def test_charts_draw_the_traffic(
         pricing=Pricing(input_per_mtok=3.0, cached_input_per_mtok=0.3),
     )
     await send_all(client, records, app, mixed_requests())
-    async with client.get("/stats") as resp:
+    async with client.admin.get("/stats") as resp:
         stats = await resp.json()
 
-    page, console = await open_page(browser, str(client.make_url("/dashboard")))
+    page, console = await open_page(browser, str(client.admin.make_url("/dashboard")))
     await page.wait_for_selector("body[data-state=data]")
     for chart in ("hitrate", "tokens", "ttft", "tpot", "goodput"):
         points = await page.get_attribute(f"#chart-{chart} svg", "data-points")
@@ -184,7 +184,7 @@ async def test_degraded_store_is_shown(
     recs = await send_all(client, records, app, mixed_requests(per_app=1))
     assert all(r.status == 200 for r in recs)
 
-    page, console = await open_page(browser, str(client.make_url("/dashboard")))
+    page, console = await open_page(browser, str(client.admin.make_url("/dashboard")))
     await page.wait_for_selector("body[data-store=degraded]")
     assert await page.is_visible("#store-banner")
     assert "degraded" in await page.inner_text("#store-banner")

@@ -56,7 +56,7 @@ def total(samples: Samples, name: str, **labels: str) -> float:
 
 
 async def scrape(client: Any) -> Samples:
-    async with client.get("/metrics") as resp:
+    async with client.admin.get("/metrics") as resp:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/plain")
         return parse(await resp.text())

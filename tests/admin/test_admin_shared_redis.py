@@ -32,7 +32,7 @@ def shared_part(body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def stats(client: Any, query: str) -> dict[str, Any]:
-    async with client.get("/stats" + query) as resp:
+    async with client.admin.get("/stats" + query) as resp:
         assert resp.status == 200
         body: dict[str, Any] = await resp.json()
     assert_valid(body)  # the Redis store's document has the embedded store's schema

@@ -30,7 +30,7 @@ LATENCY_FIELDS = {"ttft": "ttft_ms", "ttfvt": "ttfvt_ms", "tpot": "tpot_ms", "e2
 
 
 async def get_stats(client: Any, query: str = "", status: int = 200, **headers: str) -> Any:
-    async with client.get("/stats" + query, headers=headers) as resp:
+    async with client.admin.get("/stats" + query, headers=headers) as resp:
         assert resp.status == status, (await resp.text())[:300]
         assert resp.content_type == "application/json"
         body = await resp.json()
@@ -247,7 +247,7 @@ async def test_older_traffic_only_in_longer_windows(
 ) -> None:
     """A request two hours old counts in the 24 h and 7 d windows, not in 5 m or 1 h."""
     client, _, app = await make_proxy(llama_fake.url)
-    await client.get("/healthz")  # the application has started: its store exists
+    await client.admin.get("/healthz")  # the application has started: its store exists
     sample = StatsSample(
         ts=time.time() - 2 * 3600,
         namespace="default",

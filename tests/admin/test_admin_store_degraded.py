@@ -78,7 +78,7 @@ async def test_degraded_store_keeps_serving_and_says_so(
     assert [r.status for r in recs] == [200] * len(bodies)  # the traffic is served
     assert len(llama_fake.requests) == len(bodies)
 
-    async with client.get("/metrics") as resp:
+    async with client.admin.get("/metrics") as resp:
         assert resp.status == 200
         text = await resp.text()
     assert metric(text, "prefixgate_store_degraded") == 1
@@ -88,7 +88,7 @@ async def test_degraded_store_keeps_serving_and_says_so(
 
     for query in ("", "?window=5m", f"?window=7d&backend={llama_fake.url}"):
         start = time.perf_counter()
-        async with client.get("/stats" + query) as resp:
+        async with client.admin.get("/stats" + query) as resp:
             assert resp.status == 200, await resp.text()
             body: dict[str, Any] = await resp.json()
         # Bounded by the store's read deadline (2 s), which only the breaker's probe waits out.

@@ -73,6 +73,12 @@ def host_file(service: str, target: str) -> Path:
     return local_path(m) / posixpath.relpath(target, m.target)
 
 
+def admin_port() -> int:
+    """The proxy's admin port inside the network: the second port the image EXPOSEs."""
+    expose = [i for i in stages(dockerfile_instructions())[-1] if i.keyword == "EXPOSE"]
+    return int(expose[0].args.split()[1])
+
+
 def service_port(name: str) -> int:
     """The port a service listens on inside the network (from its flags or the image's EXPOSE)."""
     svc = services()[name]
@@ -195,7 +201,7 @@ def test_proxy_settings_resolve_and_name_compose_services() -> None:
 
 
 def test_prometheus_scrapes_the_proxy() -> None:
-    """Prometheus's mounted config scrapes /metrics on the proxy's port, by service name."""
+    """Prometheus's mounted config scrapes /metrics on the proxy's admin port, by service name."""
     prom = services()["prometheus"]
     flag = next(a for a in prom["command"] if a.startswith("--config.file="))
     config = load_yaml(host_file("prometheus", flag.split("=", 1)[1]))
@@ -203,10 +209,11 @@ def test_prometheus_scrapes_the_proxy() -> None:
     targets = [t for j in jobs.values() for sc in j["static_configs"] for t in sc["targets"]]
     for target in targets:
         host, port = target.split(":")
-        assert host in services() and int(port) == service_port(host), target
+        listens = {service_port(host)} | ({admin_port()} if host == "prefixgate" else set())
+        assert host in services() and int(port) in listens, target
     proxy_job = jobs["prefixgate"]
     assert proxy_job.get("metrics_path", "/metrics") == "/metrics"
-    assert f"prefixgate:{service_port('prefixgate')}" in proxy_job["static_configs"][0]["targets"]
+    assert f"prefixgate:{admin_port()}" in proxy_job["static_configs"][0]["targets"]
 
 
 def test_grafana_provisions_the_dashboard_over_prometheus() -> None:

@@ -252,7 +252,7 @@ async def test_contract_matches_what_the_proxy_exports(
     async with client.post("/v1/chat/completions", json=chat) as resp:
         assert resp.status == 200
     await records.wait()
-    async with client.get("/metrics") as resp:
+    async with client.admin.get("/metrics") as resp:
         assert resp.status == 200
         text = await resp.text()
     # prometheus-client adds a ``<name>_created`` timestamp beside every counter and histogram.

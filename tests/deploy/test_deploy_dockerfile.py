@@ -27,7 +27,7 @@ from deploy_files import (
 )
 from fakes import LlamaFake, serve
 
-from proxy.app import build_app
+from proxy.app import admin_app, build_app
 from proxy.config import ENV_PREFIX, OPTIONS, resolve
 from tests.ports import free_port
 
@@ -102,7 +102,8 @@ def test_env_names_real_settings_and_expose_matches_port() -> None:
     assert ours and set(ours) <= names, set(ours) - names
     settings = resolve({"backend": ["http://llama:8080"]}, environ=ours)
     assert settings.host == "0.0.0.0"
-    assert only(final_stage(), "EXPOSE").args.split() == [f"{settings.port}"]
+    exposed = only(final_stage(), "EXPOSE").args.split()
+    assert exposed == [f"{settings.port}", f"{settings.admin_port}"]  # traffic, then admin
 
 
 def _ignored(name: str, patterns: list[str]) -> bool:
@@ -135,13 +136,14 @@ def test_copied_sources_exist_and_are_in_the_context() -> None:
 
 
 async def run_healthcheck(port: int) -> int:
-    """Run the image's HEALTHCHECK command (with this interpreter as `python`)."""
+    """Run the image's HEALTHCHECK command (with this interpreter as `python`) against the admin
+    listener on ``port``."""
     cmd = healthcheck_command()
     assert cmd[0] == "python"
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         *cmd[1:],
-        env={"PREFIXGATE_PORT": str(port)},
+        env={"PREFIXGATE_ADMIN_PORT": str(port)},
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
     )
@@ -149,10 +151,12 @@ async def run_healthcheck(port: int) -> int:
 
 
 async def test_healthcheck_passes_against_a_live_proxy(aiohttp_server: Any) -> None:
-    """The HEALTHCHECK command exits 0 against a running proxy's /healthz."""
+    """The HEALTHCHECK command exits 0 against a running proxy's /healthz (its admin port)."""
     fake = await serve(LlamaFake(), aiohttp_server)
-    proxy = await aiohttp_server(build_app(resolve({"backend": [fake.url]}, environ={})))
-    assert await run_healthcheck(proxy.port) == 0
+    app = build_app(resolve({"backend": [fake.url]}, environ={}))
+    await aiohttp_server(app)
+    admin = await aiohttp_server(admin_app(app))
+    assert await run_healthcheck(admin.port) == 0
 
 
 async def test_healthcheck_fails_when_nothing_listens() -> None:

@@ -274,10 +274,14 @@ def test_every_container_has_requests_and_limits() -> None:
 
 
 def test_proxy_port_is_the_image_port() -> None:
-    """The proxy container opens the port the image listens on (Dockerfile EXPOSE)."""
+    """The proxy container opens the ports the image listens on (Dockerfile EXPOSE): traffic
+    (``http``) and admin (``admin``, where the probes and the Prometheus annotation point)."""
     expose = [i for i in stages(dockerfile_instructions())[-1] if i.keyword == "EXPOSE"]
-    (port,) = proxy_container()["ports"]
+    port, admin = proxy_container()["ports"]
     assert port["containerPort"] == int(expose[0].args.split()[0])
+    assert admin["containerPort"] == int(expose[0].args.split()[1]) and admin["name"] == "admin"
+    annotations = proxy()["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(admin["containerPort"])
 
 
 def mounted_file(path: str) -> str:

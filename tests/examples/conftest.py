@@ -13,7 +13,7 @@ import pytest
 from example_runner import LiveProxy, StartProxy
 from fakes import Knobs, LlamaFake, serve
 
-from proxy.app import build_app
+from proxy.app import admin_app, build_app
 from proxy.config import resolve
 
 
@@ -25,9 +25,12 @@ def start_proxy(aiohttp_server: Any) -> StartProxy:
     async def start(knobs: Knobs | None = None, **overrides: Any) -> LiveProxy:
         fake = await serve(LlamaFake(knobs), aiohttp_server)
         settings = dataclasses.replace(resolve({"backend": [fake.url]}, environ={}), **overrides)
-        server = await aiohttp_server(build_app(settings))
+        app = build_app(settings)
+        server = await aiohttp_server(app)
+        admin = await aiohttp_server(admin_app(app))
         root = str(server.make_url("")).rstrip("/")
-        return LiveProxy(base_url=root + "/v1", root_url=root, fake=fake)
+        admin_url = str(admin.make_url("")).rstrip("/")
+        return LiveProxy(base_url=root + "/v1", root_url=root, fake=fake, admin_url=admin_url)
 
     return start
 

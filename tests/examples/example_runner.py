@@ -22,11 +22,12 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 @dataclass(frozen=True, slots=True)
 class LiveProxy:
-    """A listening proxy: its OpenAI base URL, its root URL and the fake behind it."""
+    """A listening proxy: its OpenAI base URL, its root URL, its admin URL and the fake."""
 
     base_url: str
     root_url: str
     fake: LlamaFake
+    admin_url: str = ""
 
 
 StartProxy = Callable[..., Awaitable[LiveProxy]]

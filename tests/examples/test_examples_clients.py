@@ -178,7 +178,11 @@ async def test_curl_script(live_proxy: LiveProxy) -> None:
     """curl.sh: health, readiness, models, a chat completion with the proxy's headers, a stream."""
     curl = shutil.which("curl")
     assert curl, "curl is required (.ci/run installs it)"
-    env = {"PATH": os.environ["PATH"], "OPENAI_BASE_URL": live_proxy.base_url}
+    env = {
+        "PATH": os.environ["PATH"],
+        "OPENAI_BASE_URL": live_proxy.base_url,
+        "PREFIXGATE_ADMIN_URL": live_proxy.admin_url,
+    }
     run = await run_subprocess("bash", str(EXAMPLES / "curl.sh"), env=env)
     assert run.code == 0, run.out
     out = run.out.lower()

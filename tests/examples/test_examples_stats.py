@@ -24,14 +24,14 @@ CHAT: dict[str, Any] = {
 }
 
 
-async def wait_for_stats(root_url: str, requests: int, limit_s: float = 5.0) -> dict[str, Any]:
+async def wait_for_stats(admin_url: str, requests: int, limit_s: float = 5.0) -> dict[str, Any]:
     """GET /stats until it counts ``requests`` requests (statistics land after the response)."""
     last = "no answer"
     async with aiohttp.ClientSession() as session:
         try:
             async with asyncio.timeout(limit_s):
                 while True:
-                    async with session.get(f"{root_url}/stats?window=1h") as resp:
+                    async with session.get(f"{admin_url}/stats?window=1h") as resp:
                         last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                         if resp.status == 200:
                             stats: dict[str, Any] = await resp.json()
@@ -50,10 +50,14 @@ async def test_stats_script_reports_the_requests(live_proxy: LiveProxy) -> None:
         for _ in range(3):
             async with session.post(f"{live_proxy.base_url}/chat/completions", json=CHAT) as resp:
                 assert resp.status == 200
-    stats = await wait_for_stats(live_proxy.root_url, 3)
+    stats = await wait_for_stats(live_proxy.admin_url, 3)
     assert stats["schema"] == "prefixgate.stats/v1"
 
-    env = {"PATH": os.environ["PATH"], "OPENAI_BASE_URL": live_proxy.base_url}
+    env = {
+        "PATH": os.environ["PATH"],
+        "OPENAI_BASE_URL": live_proxy.base_url,
+        "PREFIXGATE_ADMIN_URL": live_proxy.admin_url,
+    }
     script = str(EXAMPLES / "stats.py")
     run = await run_subprocess(sys.executable, script, "--window", "1h", env=env)
     assert run.code == 0, run.out
@@ -72,7 +76,11 @@ async def test_stats_script_reports_the_requests(live_proxy: LiveProxy) -> None:
 
 async def test_stats_script_fails_cleanly_on_a_bad_window(live_proxy: LiveProxy) -> None:
     """A window /stats rejects (400) makes the script exit 1 with the error, not a traceback."""
-    env = {"PATH": os.environ["PATH"], "OPENAI_BASE_URL": live_proxy.base_url}
+    env = {
+        "PATH": os.environ["PATH"],
+        "OPENAI_BASE_URL": live_proxy.base_url,
+        "PREFIXGATE_ADMIN_URL": live_proxy.admin_url,
+    }
     run = await run_subprocess(
         sys.executable, str(EXAMPLES / "stats.py"), "--window", "3 days", env=env
     )

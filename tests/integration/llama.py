@@ -37,15 +37,24 @@ def smollm2_model() -> str:
 
 @contextmanager
 def running_llama_server(
-    *, slots: int = 2, ctx: int = 8192, threads: int = 2, extra: Sequence[str] = ()
+    *,
+    slots: int = 2,
+    ctx: int = 8192,
+    threads: int = 2,
+    metrics: bool = True,
+    extra: Sequence[str] = (),
+    log_path: Path | None = None,
 ) -> Iterator[str]:
     """A llama-server on a free port; yields its base URL; stops it afterwards.
 
     ``threads``: llama.cpp's compute threads spin, so several servers sharing the machine must
-    split its cores between them, or every one of them crawls. ``extra``: more flags.
+    split its cores between them, or every one of them crawls. ``metrics``: start it with
+    ``--metrics``; ``extra``: more of its flags; ``log_path``: where its log goes (a test that
+    reads it), else ``$LLAMA_SERVER_LOG`` or nowhere.
     """
     port = free_port()
-    log = open(os.environ.get("LLAMA_SERVER_LOG", os.devnull), "ab")  # noqa: SIM115
+    log_to = log_path or os.environ.get("LLAMA_SERVER_LOG", os.devnull)
+    log = open(log_to, "ab")  # noqa: SIM115
     proc = subprocess.Popen(
         [
             llama_server_binary(),
@@ -61,7 +70,7 @@ def running_llama_server(
             str(slots),
             "-t",
             str(threads),
-            "--metrics",
+            *(["--metrics"] if metrics else []),
             *extra,
         ],
         stdout=log,

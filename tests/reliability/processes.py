@@ -152,6 +152,7 @@ class FakeBackendProcess(ChildProcess):
 
     def __init__(self, *, port: int | None = None, dialect: str = "llamacpp") -> None:
         self.port = port or free_port()
+        self.admin_port = free_port()
         argv = [sys.executable, "-m", "tests.reliability.fake_backend", "--port", str(self.port)]
         super().__init__([*argv, "--dialect", dialect], name=f"backend-{self.port}")
 
@@ -195,10 +196,12 @@ class ProxyProcess(ChildProcess):
         port: int | None = None,
     ) -> None:
         self.port = port or free_port()
+        self.admin_port = free_port()
         name = f"proxy-{self.port}"
         workdir = Path(tempfile.mkdtemp(prefix=f"pg-{name}-"))
         self.log_file = workdir / "records.jsonl"
         argv = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(self.port)]
+        argv += ["--admin-port", str(self.admin_port)]
         for url in backends:
             argv += ["--backend", url]
         argv += ["--log-file", str(self.log_file), "--connect-timeout", str(connect_timeout)]
@@ -215,9 +218,14 @@ class ProxyProcess(ChildProcess):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def admin_url(self) -> str:
+        """The admin listener: /healthz, /readyz, /stats, /metrics, /dashboard."""
+        return f"http://127.0.0.1:{self.admin_port}"
+
     def start(self) -> ProxyProcess:
         self.spawn()
-        self.wait_http(self.url + "/healthz")
+        self.wait_http(self.admin_url + "/healthz")
         return self
 
     def log_lines(self) -> list[dict[str, Any]]:

@@ -81,12 +81,12 @@ async def test_backend_down_at_startup_then_comes_back(
     first = await call(http, proxy.url + CHAT, chat(), timeout_s=5)
     assert (first.kind, first.status, first.error) == (ERROR, 502, "backend_unavailable")
     assert first.elapsed_s < 2
-    assert http_get(proxy.url + "/readyz")[0] == 503
+    assert http_get(proxy.admin_url + "/readyz")[0] == 503
 
     backend.start()
 
     async def ready() -> bool:
-        return http_get(proxy.url + "/readyz")[0] == 200
+        return http_get(proxy.admin_url + "/readyz")[0] == 200
 
     assert await eventually(ready, within_s=10)
     assert await eventually(lambda: serves(http, proxy.url), within_s=5)

@@ -104,13 +104,14 @@ def test_second_signal_cuts_shutdown_short() -> None:
 
 def test_prefixgate_serve_exits_on_sigterm() -> None:
     """The real command: SIGTERM, exit 0 (its resources closed by the cleanup hook)."""
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     argv = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port)]
+    argv += ["--admin-port", str(admin_port)]
     argv += ["--backend", f"http://127.0.0.1:{free_port()}", "--connect-timeout", "0.2"]
     proc = ChildProcess(argv, name=f"proxy-{port}")
     proc.spawn()
     try:
-        proc.wait_http(f"http://127.0.0.1:{port}/healthz")
+        proc.wait_http(f"http://127.0.0.1:{admin_port}/healthz")
         assert proc.proc is not None
         proc.proc.send_signal(signal.SIGTERM)
         assert proc.proc.wait(10) == 0, proc.output_tail()

@@ -124,7 +124,7 @@ async def test_requests_need_a_valid_key(llama_fake: LlamaFake, make_proxy: Make
         assert r.status == 200
     # The client's key is the proxy's, never forwarded to the backend.
     assert "Authorization" not in llama_fake.last_headers
-    async with client.get("/healthz") as resp:
+    async with client.admin.get("/healthz") as resp:
         assert resp.status == 200
     record = await records.wait(1)
     assert record.tenant == default_tenant_name("sk-good")
@@ -254,9 +254,9 @@ async def test_normal_paths_still_work(seeing_fake: SeeingFake, make_proxy: Make
     assert ("GET", "/v1/models/", "Bearer sk-backend") in seeing_fake.seen
     assert ("GET", "/v1/..a/b...c", "Bearer sk-backend") in seeing_fake.seen
     for path in ("/healthz", "/readyz", "/stats", "/metrics", "/dashboard", "/dashboard/app.js"):
-        async with client.get(path, allow_redirects=False) as resp:  # no client key needed
+        async with client.admin.get(path, allow_redirects=False) as resp:  # no client key needed
             assert resp.status in (200, 404), path
-    async with client.get("/dashboard/", allow_redirects=False) as resp:
+    async with client.admin.get("/dashboard/", allow_redirects=False) as resp:
         assert resp.status == 302
 
 

@@ -81,7 +81,7 @@ async def test_passthrough_modes(
     assert llama_fake.received.is_set() == (mode == "all")  # the POST reached the backend
     async with client.post("/v1/chat/completions", json=CHAT) as resp:
         assert resp.status == 200
-    async with client.get("/healthz") as resp:
+    async with client.admin.get("/healthz") as resp:
         assert resp.status == 200
 
 
@@ -115,9 +115,9 @@ async def test_request_id_generated(
 async def test_healthz_and_readyz(llama_fake: LlamaFake, make_proxy: MakeProxy) -> None:
     """/healthz is 200; /readyz is 200 when the backend answers its health check."""
     client, _, _ = await make_proxy(llama_fake.url)
-    async with client.get("/healthz") as resp:
+    async with client.admin.get("/healthz") as resp:
         assert (resp.status, await resp.json()) == (200, {"status": "ok"})
-    async with client.get("/readyz") as resp:
+    async with client.admin.get("/readyz") as resp:
         assert resp.status == 200
         assert await resp.json() == {"status": "ready", "backends": {llama_fake.url: True}}
 
@@ -126,10 +126,10 @@ async def test_readyz_503_with_dead_backend(make_proxy: MakeProxy) -> None:
     """/readyz is 503 while no backend answers; /healthz stays 200."""
     dead = f"http://127.0.0.1:{free_port()}"
     client, _, _ = await make_proxy(dead)
-    async with client.get("/readyz") as resp:
+    async with client.admin.get("/readyz") as resp:
         assert resp.status == 503
         assert (await resp.json())["backends"] == {dead: False}
-    async with client.get("/healthz") as resp:
+    async with client.admin.get("/healthz") as resp:
         assert resp.status == 200
 
 

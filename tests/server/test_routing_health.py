@@ -22,7 +22,7 @@ async def send(client: ProxyClient, n: int) -> None:
 
 
 async def readyz(client: ProxyClient) -> tuple[int, dict[str, Any]]:
-    async with client.get("/readyz") as resp:
+    async with client.admin.get("/readyz") as resp:
         return resp.status, await resp.json()
 
 

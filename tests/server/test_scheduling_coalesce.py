@@ -153,10 +153,10 @@ async def test_decisions_are_counted_in_stats_and_metrics(
     await post_all(client, [chat(SYSTEM, f"question {i}?") for i in range(3)])
     await records.wait(3)
     await app[STATE].writer.drain()
-    async with client.get("/stats?window=5m") as resp:
+    async with client.admin.get("/stats?window=5m") as resp:
         stats = await resp.json()
     assert stats["totals"]["schedules"] == {"coalesced": 2, "lead": 1}
-    async with client.get("/metrics") as resp:
+    async with client.admin.get("/metrics") as resp:
         text = await resp.text()
     backend = apc_fake.url
     assert (
