@@ -282,7 +282,7 @@ async def _attempt(
         )
     finally:
         if ticket is not None:
-            ticket.end(ok=200 <= ex.status < 400 and ex.error is None)
+            ticket.end(ok=200 <= ex.status < 400 and ex.error is None, usage=ex.obs)
         replica.in_flight -= 1
         state.writer.spawn(state.tracker.in_flight(view, replica.url, -1))
 

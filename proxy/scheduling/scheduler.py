@@ -34,7 +34,7 @@ import aiohttp
 
 from proxy.backends.llamacpp_cache import SOURCE_NONE, SOURCE_SLOT, ServerRules
 from proxy.log import get_logger
-from proxy.records import RequestRecord, monotonic
+from proxy.records import Observation, RequestRecord, monotonic
 from proxy.scheduling.coalesce import InflightPrefixes, Leader, wait_for_leader
 from proxy.scheduling.config import SchedulingConfig
 from proxy.scheduling.fanout import FanOut
@@ -109,6 +109,7 @@ class Ticket:
     """Cached tokens the replica's cache model expects (llama.cpp slots), None: no model."""
     cache_source: str | None = None
     """Where the model expects them from: ``slot``, ``ram`` (its RAM prompt cache), ``none``."""
+    measured: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     def first_token(self, event: Mapping[str, Any]) -> None:
@@ -127,8 +128,12 @@ class Ticket:
             state.inflight.release(self.leader)
             self.leader = None
 
-    def end(self, *, ok: bool) -> None:
-        """The request ended (``ok``: it succeeded); its slot and its blocks are released."""
+    def end(self, *, ok: bool, usage: Observation | None = None) -> None:
+        """The request ended (``ok``: it succeeded); its slot and its blocks are released.
+
+        ``usage``: what the backend reported, folded into the cache model first, so a request
+        that starts on the freed slot is weighed against the measured state, not an estimate.
+        """
         if self.ended.is_set():
             return
         self.ended.set()
@@ -136,10 +141,26 @@ class Ticket:
         if state is None:
             return
         if self.task is not None and state.table is not None:
+            if usage is not None and usage.prompt_tokens:
+                self.measure(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
             state.table.end(self.task, monotonic(), ok=ok)
         if self.leader is not None:
             state.inflight.release(self.leader)
             self.leader = None
+
+    def measure(
+        self, prompt_tokens: int | None, completion_tokens: int | None, cached_tokens: int | None
+    ) -> None:
+        """The backend's usage, into the replica's cache model (once)."""
+        if self.measured or self.task is None or self.state is None or self.state.table is None:
+            return
+        self.measured = True
+        self.state.table.measured(
+            self.task,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=cached_tokens,
+        )
 
 
 class Scheduler:
