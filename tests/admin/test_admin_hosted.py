@@ -23,7 +23,7 @@ async def test_stats_report_keys_and_stripped_fields(
         chat("coder", "q3"),
     ]
     await send_all(client, records, app, bodies)
-    async with client.get("/stats") as resp:
+    async with client.admin.get("/stats") as resp:
         assert resp.status == 200
         body = await resp.json()
     assert_valid(body)
