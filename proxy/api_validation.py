@@ -14,28 +14,11 @@ from typing import Any
 
 from proxy.backends import RESPONSES
 from proxy.errors import BadRequest
+from proxy.shapes import invalid_type, json_type
 
-_JSON_TYPES = {
-    dict: "an object",
-    list: "an array",
-    str: "a string",
-    bool: "a boolean",
-    int: "a number",
-    float: "a number",
-    type(None): "null",
-}
-
-
-def _json_type(value: Any) -> str:
-    return _JSON_TYPES.get(type(value), type(value).__name__)
-
-
-def _openai_type(param: str, expected: str, value: Any) -> BadRequest:
-    return BadRequest(
-        f"Invalid type for '{param}': expected {expected}, but got {_json_type(value)} instead.",
-        param=param,
-        code="invalid_type",
-    )
+# One wording for a wrong JSON type across the OpenAI-shaped routes (``proxy.shapes``).
+_json_type = json_type
+_openai_type = invalid_type
 
 
 def _anthropic_type(param: str, expected: str) -> BadRequest:

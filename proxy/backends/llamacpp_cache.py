@@ -178,16 +178,8 @@ class BoundaryTokens:
 
 
 def _common_segments(a: Fingerprint, b: Fingerprint) -> int:
-    """Leading segments two fingerprints agree on (cumulative hashes: bisection)."""
-    x, y = a.segment_hashes, b.segment_hashes
-    lo, hi = 0, min(len(x), len(y))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if x[mid - 1] == y[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    """Leading segments two fingerprints agree on (cumulative hashes chain like blocks)."""
+    return common_blocks(a.segment_hashes, b.segment_hashes)
 
 
 @dataclass(slots=True)
