@@ -279,7 +279,7 @@ class Pick:
     """The state the request's cached tokens come from."""
 
 
-MAX_RAM_ENTRIES = 256
+MAX_RAM_ENTRIES = 64  # the model scans them for every idle slot on every placement
 
 
 def contains(outer: CachedPrompt, inner: CachedPrompt) -> bool:
@@ -344,7 +344,10 @@ class RamCache:
         keep_best = base / current.tokens if current is not None and current.tokens else -1.0
         sim_best = base / max(query.prompt_tokens, 1.0)
         chosen = None
+        first = query.hashes[0] if query.hashes else None
         for entry in self.entries:
+            if first is not None and len(entry.hashes) >= 4 and entry.hashes[0] != first:
+                continue  # shares under one block of four or more: kept below a quarter
             lcp = counter.lcp(entry, query)
             keep = lcp / max(entry.tokens, 1.0)
             sim = lcp / max(query.prompt_tokens, 1.0)
