@@ -177,6 +177,15 @@ AGENT_TOOLS: list[dict[str, Any]] = [
 ]
 
 
+def tool_turn(call_id: str, tool: str, args: str, result: str) -> list[dict[str, Any]]:
+    """One agent turn of a scripted history: the assistant's tool call, then the tool's result."""
+    call = {"id": call_id, "type": "function", "function": {"name": tool, "arguments": args}}
+    return [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": result},
+    ]
+
+
 async def agent_loop(send: Send, scale: Scale) -> None:
     rng = random.Random(3)
     clock = datetime(2026, 11, 30, 22, 41, 7, tzinfo=UTC)
@@ -197,28 +206,8 @@ async def agent_loop(send: Send, scale: Scale) -> None:
             )
         )
         tool = AGENT_TOOLS[turn % len(AGENT_TOOLS)]["function"]["name"]
-        call_id = f"call_{turn}"
         args = json.dumps({"path": f"billing/export_{turn}.py", "query": "ledger"})
-        history.append(
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": call_id,
-                        "type": "function",
-                        "function": {"name": tool, "arguments": args},
-                    }
-                ],
-            }
-        )
-        history.append(
-            {
-                "role": "tool",
-                "tool_call_id": call_id,
-                "content": prose(rng, scale.system_words // 5),
-            }
-        )
+        history += tool_turn(f"call_{turn}", tool, args, prose(rng, scale.system_words // 5))
 
 
 async def rag(send: Send, scale: Scale) -> None:
@@ -360,28 +349,8 @@ def fleet_bodies(
             bodies.append(chat(messages, scale.max_tokens, tools=tools))
             n += 1
             tool = FLEET_TOOLS[(turn + c) % len(FLEET_TOOLS)]["function"]["name"]
-            call_id = f"call_{c}_{turn}"
             args = json.dumps({"path": f"pkg/module_{c}_{turn}.py", "query": "failure"})
-            histories[c].append(
-                {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [
-                        {
-                            "id": call_id,
-                            "type": "function",
-                            "function": {"name": tool, "arguments": args},
-                        }
-                    ],
-                }
-            )
-            histories[c].append(
-                {
-                    "role": "tool",
-                    "tool_call_id": call_id,
-                    "content": prose(rng, 40),
-                }
-            )
+            histories[c] += tool_turn(f"call_{c}_{turn}", tool, args, prose(rng, 40))
     return bodies
 
 
