@@ -155,6 +155,9 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
             )
             app[STATE] = state
             try:
+                # Off every request's deadline: the first prefixes learned are not lost to a
+                # cold connection (bounded; a Redis that is down only leaves the store degraded).
+                await store.warm()
                 await fleet.start(session)
                 state.scheduler.start(
                     session, fleet.replicas, backend_api_key=settings.backend_api_key

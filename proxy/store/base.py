@@ -182,6 +182,16 @@ class PrefixStore(Protocol):
         """The application prefixes that served the most prompt tokens since ``since_s``."""
         ...
 
+    async def warm(self) -> bool:
+        """Do, off any request's deadline, what a first call would otherwise do under it.
+
+        For Redis: connect to every node, learn a cluster's layout and load the scripts, so
+        that the first lookups and writes after start-up fit their few-millisecond bounds.
+        Bounded by ``StoreTimeouts.read_s``; a failure counts as any failed call (the store is
+        degraded and recovers by itself). ``True`` when the store is ready.
+        """
+        ...
+
     async def aclose(self) -> None:
         """Release connections; safe to call more than once."""
         ...

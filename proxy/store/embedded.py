@@ -252,5 +252,9 @@ class EmbeddedStore:
         for akey in [k for k in self._anchors if (k[1] + 1) * HOUR_S + retention <= now]:
             del self._anchors[akey]
 
+    async def warm(self) -> bool:
+        """Always ready: nothing to connect to."""
+        return True
+
     async def aclose(self) -> None:
         """Nothing to release: the state goes with the process (idempotent)."""

@@ -86,6 +86,7 @@ from proxy.store.ranking import (
 from proxy.store.redis_cluster import CLUSTER_ANSWERS, ClusterLayout, cluster_client
 from proxy.store.redis_scripts import (
     ADD_STATS,
+    ALL_SCRIPTS,
     IN_FLIGHT,
     LOADS_READ,
     LOOKUP,
@@ -243,6 +244,29 @@ class RedisStore:
             await self._layout.aclose()
         if self._owns_client:
             await self._client.aclose()
+
+    async def warm(self) -> bool:
+        """Connect, learn a cluster's layout and load every script on every primary, once.
+
+        Without it the first calls pay for all of that under their deadlines (a lookup's is a
+        few milliseconds) and answer neutrally: the first prefixes a proxy learns would be lost.
+        ``SCRIPT LOAD`` on a cluster goes to every primary (redis-py's default for it).
+        """
+
+        async def run() -> None:
+            if isinstance(self._client, RedisCluster):
+                for script in ALL_SCRIPTS:
+                    await self._client.execute_command(
+                        "SCRIPT LOAD", script.source, target_nodes=RedisCluster.PRIMARIES
+                    )
+                return
+            pipe = self._client.pipeline(transaction=False)
+            for script in ALL_SCRIPTS:
+                pipe.script_load(script.source)
+            await pipe.execute()
+
+        await self._guarded("warm", self._opts.timeouts.read_s, None, run)
+        return not self.degraded
 
     async def _guarded(
         self, op: str, timeout_s: float, neutral: T, call: Callable[[], Awaitable[T]]
