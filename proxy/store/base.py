@@ -31,7 +31,7 @@ its own numbers (its local in-flight counts, a shared depth of 0).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -70,6 +70,10 @@ class StoreOptions:
     """Statistics buckets are kept this long after their minute (or hour) ends."""
     top_prefixes_cap: int = 1000
     """Application prefixes ranked per namespace and hour; the least used beyond are dropped."""
+    memory_entries: int = 100_000
+    """Entries the embedded store keeps for ``remember`` / ``recall`` (least recent out)."""
+    memory_value_bytes: int = 65_536
+    """Largest value ``remember`` keeps; a larger one is not stored."""
     key_prefix: str = "pg"
     """First component of every Redis key."""
     traffic_window_s: float = 120.0
@@ -180,6 +184,23 @@ class PrefixStore(Protocol):
         self, *, since_s: float, limit: int = 10, namespace: str | None = None
     ) -> list[PrefixStat]:
         """The application prefixes that served the most prompt tokens since ``since_s``."""
+        ...
+
+    async def recall(self, namespace: str, kind: str, keys: Sequence[str]) -> list[bytes | None]:
+        """The values last remembered under ``keys`` of ``kind`` (``None`` where none, expired,
+        or when degraded).
+
+        A small shared memory for what the proxy learns about requests (the first form of a
+        tool list, the note it put in a message) so that every proxy replica agrees. On the
+        request path: bounded by ``StoreTimeouts.lookup_s``, one round trip to one Redis node.
+        """
+        ...
+
+    async def remember(
+        self, namespace: str, kind: str, items: Mapping[str, bytes], ttl_s: float
+    ) -> None:
+        """Keep each value under its key of ``kind`` for ``ttl_s`` seconds (renewed by a
+        later ``remember``); values over ``StoreOptions.memory_value_bytes`` are not kept."""
         ...
 
     async def warm(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from proxy.fingerprint import leading_run
 from proxy.routing import TRAFFIC_MAX_BLOCKS, TrafficWindow
@@ -68,6 +68,8 @@ class EmbeddedStore:
         self._anchors: dict[tuple[str, int], dict[str, _Anchor]] = {}
         self._traffic: dict[str, TrafficWindow] = {}
         self._in_flight: dict[str, int] = {}  # per replica, across namespaces
+        # (namespace, kind, key) -> (value, expires at), least recently written first
+        self._memory: OrderedDict[tuple[str, str, str], tuple[bytes, float]] = OrderedDict()
         self._next_sweep = 0.0
 
     @property
@@ -251,6 +253,32 @@ class EmbeddedStore:
             del self._buckets[bkey]
         for akey in [k for k in self._anchors if (k[1] + 1) * HOUR_S + retention <= now]:
             del self._anchors[akey]
+
+    async def recall(self, namespace: str, kind: str, keys: Sequence[str]) -> list[bytes | None]:
+        """The remembered values (``None`` where none or expired); no I/O."""
+        now = self._clock()
+        out: list[bytes | None] = []
+        for key in keys:
+            entry = self._memory.get((namespace, kind, key))
+            if entry is None or entry[1] <= now:
+                out.append(None)
+            else:
+                out.append(entry[0])
+        return out
+
+    async def remember(
+        self, namespace: str, kind: str, items: Mapping[str, bytes], ttl_s: float
+    ) -> None:
+        """Keep the values (the least recently written beyond ``memory_entries`` go)."""
+        expires = self._clock() + ttl_s
+        for key, value in items.items():
+            if len(value) > self._opts.memory_value_bytes:
+                continue
+            slot = (namespace, kind, key)
+            self._memory[slot] = (value, expires)
+            self._memory.move_to_end(slot)
+        while len(self._memory) > self._opts.memory_entries:
+            self._memory.popitem(last=False)
 
     async def warm(self) -> bool:
         """Always ready: nothing to connect to."""

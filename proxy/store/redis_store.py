@@ -13,6 +13,7 @@ replica URL)::
     pg:{st:<ns>}:h:<hour>        HASH  the same counters, rolled up by hour (hour = ts // 3600)
     pg:{st:<ns>}:top:<hour>      ZSET  anchor -> prompt tokens served in that hour
     pg:{st:<ns>}:anchor:<hour>   HASH  "<anchor>|r|p|c|cp|t|l" -> per-anchor counters, label
+    pg:{mem:<ns>}:<kind>:<key>   STRING  a value ``remember`` kept (expires ``ttl_s`` after)
 
 The braces are Redis Cluster hash tags, and every script and pipeline was laid out around them:
 
@@ -56,7 +57,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import structlog
@@ -244,6 +245,41 @@ class RedisStore:
             await self._layout.aclose()
         if self._owns_client:
             await self._client.aclose()
+
+    def memory_key(self, namespace: str, kind: str, key: str) -> str:
+        """Key of one remembered value: a namespace's memory shares one slot (one MGET)."""
+        return f"{self._opts.key_prefix}:{{mem:{namespace_key(namespace)}}}:{kind}:{key}"
+
+    async def recall(self, namespace: str, kind: str, keys: Sequence[str]) -> list[bytes | None]:
+        """``MGET`` of the keys (one slot, so one node on a cluster); all ``None`` when degraded."""
+        if not keys:
+            return []
+        names = [self.memory_key(namespace, kind, k) for k in keys]
+
+        async def run() -> list[bytes | None]:
+            values = await self._client.mget(names)
+            return [v if isinstance(v, bytes) or v is None else str(v).encode() for v in values]
+
+        none: list[bytes | None] = [None] * len(keys)
+        return await self._guarded("recall", self._opts.timeouts.lookup_s, none, run)
+
+    async def remember(
+        self, namespace: str, kind: str, items: Mapping[str, bytes], ttl_s: float
+    ) -> None:
+        """``SET … PX`` of each value, pipelined (values too large for the store are skipped)."""
+        ttl_ms = max(round(ttl_s * 1000), 1)
+        cap = self._opts.memory_value_bytes
+        kept = [(self.memory_key(namespace, kind, k), v) for k, v in items.items() if len(v) <= cap]
+        if not kept:
+            return
+
+        async def run() -> None:
+            pipe = self._client.pipeline(transaction=False)
+            for name, value in kept:
+                pipe.set(name, value, px=ttl_ms)
+            await pipe.execute()
+
+        await self._guarded("remember", self._opts.timeouts.write_s, None, run)
 
     async def warm(self) -> bool:
         """Connect, learn a cluster's layout and load every script on every primary, once.
