@@ -26,6 +26,7 @@ from proxy.auth import KeysFileError, auth_middleware, load_keys, refuse_ambiguo
 from proxy.canonical import Canonicalizer, config_from_mapping
 from proxy.config import ConfigError, Settings
 from proxy.errors import ProxyError, error_response
+from proxy.exchange import Exchange, learn
 from proxy.fleet import Fleet
 from proxy.log import get_logger
 from proxy.prefixes import PrefixTracker
@@ -88,7 +89,9 @@ def build_canonicalizer(settings: Settings) -> Canonicalizer:
     )
 
 
-def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.Application:
+def build_app(
+    settings: Settings, *, writer: RecordWriter[Exchange] | None = None
+) -> web.Application:
     """The proxy as an aiohttp application (not yet started)."""
     canonicalizer = build_canonicalizer(settings)
     # request_context first (request id, errors in the OpenAI shape), then the path check,
@@ -118,7 +121,11 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
     except re.error as exc:
         raise ConfigError(f"bad --redact-pattern: {exc}") from exc
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
-    record_writer = writer or RecordWriter(logger=get_logger("prefixgate.records"))
+    record_writer: RecordWriter[Exchange] = writer or RecordWriter(
+        logger=get_logger("prefixgate.records")
+    )
+    # What the proxy learns from a finished request, with the stages it was built from.
+    record_writer.add_learner(lambda record, ex: learn(app[STATE], record, ex))
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         session = upstream_session(limit=0, keepalive_timeout=30.0)

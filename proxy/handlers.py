@@ -6,9 +6,10 @@ An inference request goes: read and parse the body → canonicalize → fingerpr
 prefix index → choose a replica (``Fleet.route``) → claim it in the index and count it in flight →
 let the dialect prepare the body → relay. A replica that fails before the client received a byte
 (connection failure, or a 502/503 status line) is ejected or passed over and the request is sent
-once to another healthy replica. Whatever happens, one ``RequestRecord`` is written when it ends
-(with the replica, ``route_reason`` and ``retried_from``), and the index and statistics learn
-from it in the background.
+once to another healthy replica. Whatever happens, one ``RequestRecord`` is built from the
+exchange when it ends (with the replica, ``route_reason`` and ``retried_from``), and the
+record writer's learner (``proxy.exchange.learn``) updates the scheduler, the index and the
+statistics from it.
 """
 
 from __future__ import annotations
@@ -16,14 +17,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Awaitable
-from dataclasses import dataclass
-from typing import Any
 
 import orjson
 from aiohttp import web
 
 from proxy.backends import CHAT, COMPLETIONS, MESSAGES, NATIVE_COMPLETION, RESPONSES
-from proxy.canonical import CanonicalResult
 from proxy.errors import (
     BackendBadAnswer,
     BackendUnavailable,
@@ -31,21 +29,21 @@ from proxy.errors import (
     ProxyError,
     anthropic_error_response,
 )
+from proxy.exchange import Exchange, Outgoing, Target, build_record
 from proxy.fleet import Replica
-from proxy.hosted import PROMPT_CACHE_KEY, AffinityKey
 from proxy.log import get_logger
-from proxy.prefixes import PrefixView, prefix_label
-from proxy.records import Observation, monotonic, utc_now_iso
+from proxy.prefixes import PrefixView
+from proxy.records import Observation, monotonic
 from proxy.relay import (
     CLIENT_CLOSED,
     BackendConnectTimeout,
-    Exchange,
     NotStarted,
     relay_inference,
     relay_passthrough,
     send_answer,
 )
 from proxy.routing import Decision
+from proxy.scheduling import Ticket
 from proxy.state import REQUEST_ID, STATE, T_START, TENANT, ProxyState, proxy_state
 from proxy.store import DEFAULT_NAMESPACE
 from proxy.validation import parse_object, read_body, validate_inference
@@ -68,30 +66,6 @@ INFERENCE_PATHS = {
 }
 
 
-@dataclass(slots=True)
-class Target:
-    """Where an inference request goes: the replica, why it was chosen, how loaded it was."""
-
-    replica: Replica
-    reason: str
-    load: float
-    retried_from: str | None = None
-
-
-@dataclass(slots=True)
-class Outgoing:
-    """The request as canonicalized, before any replica's dialect adjusts it."""
-
-    body: dict[str, Any]
-    raw: bytes
-    changed: bool
-    tenant: str | None
-    model: str | None
-    sent: dict[str, Any] | None = None
-    stripped: tuple[str, ...] = ()
-    """Hosted-only fields removed for the replica's dialect (``proxy.hosted``)."""
-
-
 def _target(state: ProxyState, view: PrefixView, decision: Decision) -> Target:
     replica = state.fleet[decision.replica]
     load = state.fleet.candidate(replica, view).load
@@ -99,50 +73,47 @@ def _target(state: ProxyState, view: PrefixView, decision: Decision) -> Target:
 
 
 async def inference(request: web.Request) -> web.StreamResponse:
-    """POST chat / completions / native completion: the observed, cache-aware path."""
+    """POST chat / completions / native completion: the observed, cache-aware path.
+
+    Each stage leaves its result in the exchange; the record is built from it once the
+    request has ended (``proxy.exchange.build_record``), whatever way it ended.
+    """
     state = request.app[STATE]
     route = INFERENCE_PATHS[request.path]
     obs = Observation(t_start=request[T_START])
     ex = Exchange(request_id=request[REQUEST_ID], route=route, upstream_path=request.path, obs=obs)
     ex.send_timeout_s = state.settings.timeouts.client
-    ts = utc_now_iso()
-    model: str | None = None
-    view: PrefixView | None = None
-    target: Target | None = None
-    body: dict[str, Any] | None = None
-    out: Outgoing | None = None
-    fired: list[str] = []
-    canonical: CanonicalResult | None = None
-    affinity: AffinityKey | None = None
-    tenant = request.get(TENANT)
+    ex.tenant = tenant = request.get(TENANT)
     namespace = tenant or DEFAULT_NAMESPACE
     try:
         raw = await read_body(
             request, state.settings.max_body_bytes, idle_s=state.settings.timeouts.client
         )
         obs.t_body_read = monotonic()
-        body = parse_object(raw, request.content_type)
+        ex.body = body = parse_object(raw, request.content_type)
         validate_inference(route, body)
         ex.stream = body.get("stream") is True
-        model = body["model"] if isinstance(body.get("model"), str) else None
-        canonical = state.canonicalizer.apply(route, body)
+        ex.model = body["model"] if isinstance(body.get("model"), str) else None
+        ex.canonical = canonical = state.canonicalizer.apply(route, body)
         changed = canonical.body is not body
-        body = canonical.body
-        fired = list(canonical.fired)
-        if fired:
-            ex.response_headers["X-Prefixgate-Canonical"] = ",".join(fired)
+        ex.body = body = canonical.body
+        if canonical.fired:
+            ex.response_headers["X-Prefixgate-Canonical"] = ",".join(canonical.fired)
         replicas = [r.url for r in state.fleet.replicas]
         view = await state.tracker.lookup(
             route, body, replicas, namespace=namespace, salt=tenant or ""
         )
         # The client's conversation key chooses the replica and nothing else (not the salt).
-        affinity = state.settings.hosted.affinity_key(body, request.headers, tenant)
-        if affinity is not None:
-            view = dataclasses.replace(view, affinity_key=affinity.value)
-        target = _target(state, view, state.fleet.route(view))
-        if model is None and target.replica.info is not None:
-            model = target.replica.info.model
-        out = Outgoing(body=body, raw=raw, changed=changed, tenant=tenant, model=model)
+        ex.affinity = state.settings.hosted.affinity_key(body, request.headers, tenant)
+        if ex.affinity is not None:
+            view = dataclasses.replace(view, affinity_key=ex.affinity.value)
+        ex.view = view
+        ex.target = target = _target(state, view, state.fleet.route(view))
+        if ex.model is None and target.replica.info is not None:
+            ex.model = target.replica.info.model
+        ex.outgoing = out = Outgoing(
+            body=body, raw=raw, changed=changed, tenant=tenant, model=ex.model
+        )
         retry = state.fleet.has_alternative(target.replica)
         try:
             resp = await _attempt(request, state, ex, view, target, out, retry=retry)
@@ -154,11 +125,11 @@ async def inference(request: web.Request) -> web.StreamResponse:
     except ProxyError as exc:
         ex.status, ex.error = exc.status, exc.type
         if (
-            target is not None
+            ex.target is not None
             and isinstance(exc, BackendUnavailable | BackendConnectTimeout)
             and not isinstance(exc, BackendBadAnswer)
         ):
-            state.fleet.report_failure(target.replica, exc.message)
+            state.fleet.report_failure(ex.target.replica, exc.message)
         if route == MESSAGES:
             return anthropic_error_response(exc, request_id=ex.request_id)
         return exc.to_response(request_id=ex.request_id)
@@ -168,57 +139,14 @@ async def inference(request: web.Request) -> web.StreamResponse:
     finally:
         if obs.t_end is None:
             obs.t_end = monotonic()
-        record = state.builder.build(
-            obs,
-            ts=ts,
-            request_id=ex.request_id,
-            route=request.path,
-            model=model,
-            backend=ex.backend_url or None,
-            dialect=ex.dialect.name if target else None,
-            stream=ex.stream,
-            status=ex.status or 500,
-            error=ex.error,
+        record = build_record(
+            ex,
+            builder=state.builder,
+            tracker=state.tracker,
+            redactor=state.redactor,
+            log_prompts=state.settings.log_prompts,
         )
-        record.canonical_rules = fired
-        record.tenant = tenant
-        if canonical is not None:
-            if canonical.dry_run_fired:
-                record.extra["canonical_dry_run_rules"] = list(canonical.dry_run_fired)
-            if canonical.stable_bytes_gained:
-                record.extra["canonical_stable_bytes"] = canonical.stable_bytes_gained
-        if affinity is not None:
-            record.extra["affinity_key"] = affinity.hashed
-            record.extra["affinity_source"] = affinity.source
-        if out is not None and out.stripped:
-            record.extra["hosted_fields_stripped"] = list(out.stripped)
-        if target is not None:
-            record.extra["route_reason"] = target.reason
-            record.extra["replica_load"] = target.load
-            if target.retried_from is not None:
-                record.extra["retried_from"] = target.retried_from
-            if view is not None:
-                state.tracker.annotate(record, view, target.replica.url)
-        if state.settings.log_prompts and body is not None:
-            sent = out.sent if out is not None and out.sent is not None else body
-            if affinity is not None and PROMPT_CACHE_KEY in sent:  # its hash, never the value
-                sent = {**sent, PROMPT_CACHE_KEY: affinity.hashed}
-            record.extra["body"] = state.redactor.value(sent)
-        state.scheduler.annotate(record, ex)
-        state.writer.emit(record)
-        if target is not None:
-            label = None
-            if state.settings.log_prompts and body is not None:
-                label = prefix_label(body, state.redactor.text)
-            state.writer.spawn(
-                state.tracker.learn(
-                    record,
-                    view,
-                    replica=target.replica.url,
-                    capacity_tokens=target.replica.capacity_tokens(state.settings.capacity_tokens),
-                    label=label,
-                )
-            )
+        state.writer.emit(record, ex)
 
 
 async def _attempt(
@@ -253,7 +181,8 @@ async def _attempt(
             state.tracker.claim(view, replica.url, capacity, out.model),
         )
     )
-    ticket = None
+    ex.ticket = ticket = Ticket()  # held before the scheduler may wait (see ``learn``)
+    admitted = False
     try:
         body = dict(out.body)
         edited = out.changed
@@ -265,9 +194,10 @@ async def _attempt(
         # Where on the replica it goes (llama.cpp slot) and when (coalescing); may wait. A
         # route on which the server ignores a slot id is not placed (the server chooses).
         placed = view if ex.dialect.carries_slot(ex.route) else None
-        ticket = await state.scheduler.admit(
-            ex, replica, placed, body, model=out.model, stream=ex.stream
+        await state.scheduler.admit(
+            ticket, replica, placed, body, model=out.model, stream=ex.stream
         )
+        admitted = True
         ex.on_first_token = ticket.first_token
         edited = edited or ticket.body_changed
         ex.upstream_body = orjson.dumps(body) if edited or ex.strip_usage else out.raw
@@ -281,7 +211,7 @@ async def _attempt(
             retry=retry,
         )
     finally:
-        if ticket is not None:
+        if admitted:
             ticket.end(ok=200 <= ex.status < 400 and ex.error is None, usage=ex.obs)
         replica.in_flight -= 1
         state.writer.spawn(state.tracker.in_flight(view, replica.url, -1))

@@ -25,7 +25,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.fingerprint import Fingerprint, common_blocks, fingerprint, hex64
+from proxy.fingerprint import Fingerprint, common_blocks, fingerprint
 from proxy.records import RequestRecord
 from proxy.routing import TRAFFIC_MAX_BLOCKS, RoutingConfig, TrafficDepth, route_key
 from proxy.store import DEFAULT_NAMESPACE, PrefixStore, StatsSample
@@ -345,20 +345,6 @@ class PrefixTracker:
         matched_bytes = view.matched_for(replica) * self.block_bytes
         return int(matched_bytes * self.tokens_per_byte.get(model))
 
-    def annotate(self, record: RequestRecord, view: PrefixView, replica: str) -> None:
-        """Add the prefix fields to a record (prediction made before the response)."""
-        fp = view.fp
-        record.predicted_cached_tokens = self.predicted_tokens(view, replica, record.model)
-        record.prefix_anchor = hex64(fp.anchor)
-        record.prefix_blocks = len(fp.block_hashes)
-        record.prompt_bytes = fp.total_bytes
-        record.extra["prefix_block_bytes"] = fp.block_bytes
-        record.extra["prefix_matched_blocks"] = view.matched_for(replica)
-        table = fp.segment_table()
-        if len(table) > MAX_SEGMENTS_LOGGED:  # keep the head: that is where prefixes are shared
-            table = table[:MAX_SEGMENTS_LOGGED]
-        record.extra["prefix_segments"] = table
-
     async def learn(
         self,
         record: RequestRecord,
@@ -386,3 +372,11 @@ class PrefixTracker:
             prefix_label=label if self._labels else None,
         )
         await self.store.add_stats(sample)
+
+
+def logged_segments(fp: Fingerprint) -> list[list[Any]]:
+    """The record's ``prefix_segments``: the fingerprint's segment table, its head at most."""
+    table = fp.segment_table()
+    if len(table) > MAX_SEGMENTS_LOGGED:  # keep the head: that is where prefixes are shared
+        table = table[:MAX_SEGMENTS_LOGGED]
+    return table

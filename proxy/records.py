@@ -17,60 +17,247 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import structlog
 
 CachedSource = Literal["reported", "unknown"]
 TimingSource = Literal["observed", "backend", "none"]
 
+RECORD_EVENT = "request"
+"""The ``event`` of a record's log line (what the analyzer recognises records by)."""
+
+DOC = "doc"
+ONLY_WHEN_SET = "only_when_set"
+SCHEMA = "schema"
+
+
+def doc(text: str) -> dict[str, Any]:
+    """The metadata of a record field present in every record: its description."""
+    return {DOC: text}
+
+
+def when_set(text: str, *, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The metadata of a record field written only for the requests it applies to (absent from
+    the line, never null, when None; declare it ``= field(default=None, metadata=when_set(…))``).
+
+    ``schema``: the field's JSON Schema where its Python type does not say enough.
+    """
+    meta: dict[str, Any] = {DOC: text, ONLY_WHEN_SET: True}
+    if schema is not None:
+        meta[SCHEMA] = schema
+    return meta
+
 
 @dataclass(slots=True)
 class RequestRecord:
-    """Everything prefixgate knows about one request, once it has ended."""
+    """Everything prefixgate knows about one request, once it has ended.
 
-    ts: str
-    request_id: str
-    route: str
-    model: str | None
-    backend: str | None
-    stream: bool
-    status: int
-    error: str | None = None
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    cached_tokens_source: CachedSource = "unknown"
-    completion_tokens: int | None = None
-    ttft_ms: float | None = None
-    ttfvt_ms: float | None = None
-    tpot_ms: float | None = None
-    e2e_ms: float = 0.0
-    backend_prefill_ms: float | None = None
-    proxy_overhead_ms: float = 0.0
-    saved_prefill_ms: float | None = None
-    saved_usd: float | None = None
-    slo_met: bool | None = None
+    Every key of the log line is a typed attribute here, and its description is the one the
+    published schema (``docs/schemas/record-v1.schema.json``) carries. To add one: declare it
+    below with ``metadata=doc(…)`` (in every record; with a default unless every record must
+    set it) or ``default=None, metadata=when_set(…)`` (only for the requests it applies to;
+    absent from the line when None), set it where the record is built
+    (``proxy.exchange.build_record``), and regenerate the schema
+    (``python -m proxy.record_schema --write``; a test fails while it is stale). Field names are
+    a public contract: fields are added, never renamed.
+    """
+
+    ts: str = field(metadata=doc("When the request arrived (ISO 8601, UTC, milliseconds)."))
+    request_id: str = field(
+        metadata=doc("The request id (the X-Request-Id the client sent, or a new one).")
+    )
+    route: str = field(metadata=doc("The path the request was sent to, e.g. /v1/chat/completions."))
+    model: str | None = field(
+        metadata=doc("The model the request named (else the replica's model).")
+    )
+    backend: str | None = field(
+        metadata=doc("Base URL of the replica that served it; null: none was chosen.")
+    )
+    stream: bool = field(metadata=doc("Whether the client asked for a streamed answer."))
+    status: int = field(
+        metadata=doc("HTTP status the client got (499: the client went away first).")
+    )
+    error: str | None = field(
+        default=None, metadata=doc("Error type when the request failed (OpenAI error type).")
+    )
+    prompt_tokens: int | None = field(
+        default=None, metadata=doc("Prompt tokens, as the backend reported them.")
+    )
+    cached_tokens: int | None = field(
+        default=None,
+        metadata=doc("Prompt tokens the backend served from its cache; null: it did not report."),
+    )
+    cached_tokens_source: CachedSource = field(
+        default="unknown",
+        metadata=doc("``reported`` when the backend reported cached tokens, else ``unknown``."),
+    )
+    completion_tokens: int | None = field(
+        default=None, metadata=doc("Completion tokens, as the backend reported them.")
+    )
+    ttft_ms: float | None = field(default=None, metadata=doc("Time to first token, milliseconds."))
+    ttfvt_ms: float | None = field(
+        default=None, metadata=doc("Time to first visible (non-reasoning) token, ms.")
+    )
+    tpot_ms: float | None = field(
+        default=None, metadata=doc("Time per output token after the first, milliseconds.")
+    )
+    e2e_ms: float = field(default=0.0, metadata=doc("Arrival to the answer's end, milliseconds."))
+    backend_prefill_ms: float | None = field(
+        default=None, metadata=doc("Prefill time the backend reported, ms.")
+    )
+    proxy_overhead_ms: float = field(
+        default=0.0,
+        metadata=doc(
+            "The proxy's own time on the critical path (time held by the scheduler excluded), ms."
+        ),
+    )
+    saved_prefill_ms: float | None = field(
+        default=None,
+        metadata=doc(
+            "Prefill time the cached tokens saved, at the replica's measured prefill rate, ms."
+        ),
+    )
+    saved_usd: float | None = field(
+        default=None, metadata=doc("What the cached tokens saved at the configured prices.")
+    )
+    slo_met: bool | None = field(
+        default=None, metadata=doc("Whether the request met the SLO; null: no SLO is set.")
+    )
     # Added by later features (never renamed):
-    dialect: str | None = None
-    timing_source: TimingSource = "none"
-    reasoning_tokens: int | None = None
-    tenant: str | None = None
-    prompt_bytes: int = 0
-    predicted_cached_tokens: int | None = None
-    prefix_anchor: str | None = None
-    prefix_blocks: int = 0
-    canonical_rules: list[str] = field(default_factory=list)
-    cache_source: str | None = None
-    """llama.cpp: where the replica's cache model expects the cached tokens from: ``slot``,
-    ``ram`` (its RAM prompt cache), ``none``; None where no model applies."""
-    extra: dict[str, Any] = field(default_factory=dict)
+    dialect: str | None = field(
+        default=None, metadata=doc("The replica's server kind (its dialect name).")
+    )
+    timing_source: TimingSource = field(
+        default="none",
+        metadata=doc(
+            "Where TTFT/TPOT came from: ``observed`` (stream), ``backend`` (its timings), ``none``."
+        ),
+    )
+    reasoning_tokens: int | None = field(
+        default=None, metadata=doc("Reasoning tokens, as the backend reported them.")
+    )
+    tenant: str | None = field(
+        default=None, metadata=doc("The tenant (API key's tenant or tenant header), if any.")
+    )
+    prompt_bytes: int = field(
+        default=0, metadata=doc("Bytes of the rendered prompt the fingerprint hashed.")
+    )
+    predicted_cached_tokens: int | None = field(
+        default=None,
+        metadata=doc(
+            "Cached tokens predicted before the request was sent (prefix index or cache model)."
+        ),
+    )
+    prefix_anchor: str | None = field(
+        default=None,
+        metadata=doc("Hash of the request's first block (16 hex digits): its application prefix."),
+    )
+    prefix_blocks: int = field(
+        default=0, metadata=doc("Whole blocks of the rendered prompt (the index's unit).")
+    )
+    canonical_rules: list[str] = field(
+        default_factory=list, metadata=doc("Canonicalization rules that changed the request.")
+    )
+    cache_source: str | None = field(
+        default=None,
+        metadata=doc(
+            "Where the replica's cache model expects the cached tokens from: ``slot``, "
+            "``ram`` (its RAM prompt cache) or ``none``; null where no model applies."
+        ),
+    )
+    # Only for the requests they apply to (absent from the line when None):
+    canonical_dry_run_rules: list[str] | None = field(
+        default=None, metadata=when_set("Rules that would have fired (dry-run mode).")
+    )
+    canonical_stable_bytes: dict[str, int] | None = field(
+        default=None,
+        metadata=when_set(
+            "Per rule that fired (or would have), the rendered-prompt bytes it made stable."
+        ),
+    )
+    affinity_key: str | None = field(
+        default=None,
+        metadata=when_set(
+            "Keyed hash of the client's conversation key (16 hex digits), never the key itself."
+        ),
+    )
+    affinity_source: str | None = field(
+        default=None,
+        metadata=when_set(
+            "Where the conversation key came from: ``prompt_cache_key`` or a header's name."
+        ),
+    )
+    hosted_fields_stripped: list[str] | None = field(
+        default=None, metadata=when_set("Hosted-API-only fields removed for the replica's server.")
+    )
+    route_reason: str | None = field(
+        default=None, metadata=when_set("Why the replica was chosen (affinity, miss, retry, ...).")
+    )
+    replica_load: float | None = field(
+        default=None, metadata=when_set("The chosen replica's load when it was chosen.")
+    )
+    retried_from: str | None = field(
+        default=None,
+        metadata=when_set(
+            "The replica that failed before the client saw a byte (the request was sent again)."
+        ),
+    )
+    prefix_block_bytes: int | None = field(
+        default=None, metadata=when_set("Block size of the fingerprint, bytes.")
+    )
+    prefix_matched_blocks: int | None = field(
+        default=None,
+        metadata=when_set("Leading blocks the prefix index said the chosen replica holds."),
+    )
+    prefix_segments: list[list[Any]] | None = field(
+        default=None,
+        metadata=when_set(
+            "The rendered prompt's segments, ``[hash (16 hex), end offset in bytes, kind]`` each "
+            "(the first 512).",
+            schema={
+                "type": "array",
+                "items": {
+                    "type": "array",
+                    "prefixItems": [
+                        {"type": "string", "pattern": "^[0-9a-f]{16}$"},
+                        {"type": "integer", "minimum": 0},
+                        {"type": "string"},
+                    ],
+                    "minItems": 3,
+                    "maxItems": 3,
+                },
+            },
+        ),
+    )
+    body: dict[str, Any] | None = field(
+        default=None, metadata=when_set("The request as sent, redacted (only with --log-prompts).")
+    )
+    schedule_reason: str | None = field(
+        default=None,
+        metadata=when_set(
+            "The scheduler's decision (llama.cpp slot placement or prefill coalescing)."
+        ),
+    )
+    held_ms: float | None = field(
+        default=None, metadata=when_set("Time the scheduler held the request before sending, ms.")
+    )
+    slot: int | None = field(
+        default=None, metadata=when_set("The llama.cpp slot the request was pinned to or ran in.")
+    )
 
     def as_dict(self) -> dict[str, Any]:
-        """The record as the flat JSON object written to the log (``extra`` merged in)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        """The record as the flat JSON object written to the log.
+
+        Fields in every record first, then the two hit rates, then the fields that are set.
+        """
+        out = {name: getattr(self, name) for name in _ALWAYS}
         out["hit_rate"] = _rate(self.hit_rate)
         out["predicted_hit_rate"] = _rate(self.predicted_hit_rate)
-        out.update(self.extra)
+        for name in _WHEN_SET:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
         return out
 
     @property
@@ -86,6 +273,33 @@ class RequestRecord:
         if self.cached_tokens is None or not self.prompt_tokens:
             return None
         return self.cached_tokens / self.prompt_tokens
+
+
+_ALWAYS = tuple(
+    f.name for f in dataclasses.fields(RequestRecord) if not f.metadata.get(ONLY_WHEN_SET)
+)
+_WHEN_SET = tuple(
+    f.name for f in dataclasses.fields(RequestRecord) if f.metadata.get(ONLY_WHEN_SET)
+)
+DERIVED = {
+    "hit_rate": "Measured share of prompt tokens served from cache (4 decimals); null: unknown.",
+    "predicted_hit_rate": "Predicted share of prompt tokens from cache (4 decimals, at most 1).",
+}
+"""Keys of the line computed from fields (the properties of the same names)."""
+RECORD_KEYS = frozenset((*_ALWAYS, *DERIVED, *_WHEN_SET))
+"""Every key a record's JSON object may have (its log line adds ``event``, ``level`` and
+``logged_at``)."""
+
+
+def record_key(name: str) -> str:
+    """``name``, checked to be a key of the record's JSON object (readers name keys with it).
+
+    Raises ``KeyError`` at once (at import time, where readers call it) for a key the record does
+    not have, so a reader cannot drift from the definition.
+    """
+    if name not in RECORD_KEYS:
+        raise KeyError(f"{name!r} is not a field of RequestRecord")
+    return name
 
 
 def _rate(value: float | None) -> float | None:
@@ -211,35 +425,54 @@ def derive_latencies(
 
 
 RecordSink = Callable[[RequestRecord], Awaitable[None] | None]
+StagesT = TypeVar("StagesT")
+Learner = Callable[[RequestRecord, StagesT], Awaitable[None] | None]
+"""A sink that learns from the record and the stage results it was built from."""
 
 
-class RecordWriter:
+class RecordWriter(Generic[StagesT]):
     """Delivers finished records to their sinks, off the request's critical path.
 
-    The structlog line is written synchronously (it is cheap and must never be lost); async
-    sinks (statistics, the prefix index) run as background tasks that are tracked so shutdown
-    can drain them.
+    The structlog line is written synchronously (it is cheap and must never be lost); then
+    every sink gets the record (metrics, tests), and every learner the record with the stage
+    results it was built from (the scheduler's rates, the prefix index and the statistics).
+    Async work a sink returns runs as a background task, tracked so shutdown can drain it.
     """
 
     def __init__(self, *, logger: structlog.typing.FilteringBoundLogger) -> None:
         self._log = logger
         self._sinks: list[RecordSink] = []
+        self._learners: list[Learner[StagesT]] = []
         self._tasks: set[asyncio.Future[None]] = set()
 
     def add_sink(self, sink: RecordSink) -> None:
+        """Hand every finished record to ``sink``."""
         self._sinks.append(sink)
 
-    def emit(self, record: RequestRecord) -> None:
-        """Write the canonical log line and hand the record to every sink."""
-        self._log.info("request", **record.as_dict())
+    def add_learner(self, learner: Learner[StagesT]) -> None:
+        """Hand every finished record, with its stage results, to ``learner`` (after the sinks)."""
+        self._learners.append(learner)
+
+    def emit(self, record: RequestRecord, stages: StagesT | None = None) -> None:
+        """Write the canonical log line and hand the record to every sink and learner.
+
+        Learners run only for a record emitted with its ``stages``.
+        """
+        self._log.info(RECORD_EVENT, **record.as_dict())
         for sink in self._sinks:
-            try:
-                result = sink(record)
-            except Exception:  # a sink must never break the traffic it observes
-                self._log.exception("record_sink_failed", sink=repr(sink))
-                continue
-            if result is not None:
-                self.spawn(result)
+            self._deliver(sink, record)
+        if stages is not None:
+            for learner in self._learners:
+                self._deliver(learner, record, stages)
+
+    def _deliver(self, sink: Callable[..., Awaitable[None] | None], *args: Any) -> None:
+        try:
+            result = sink(*args)
+        except Exception:  # a sink must never break the traffic it observes
+            self._log.exception("record_sink_failed", sink=repr(sink))
+            return
+        if result is not None:
+            self.spawn(result)
 
     def spawn(self, aw: Awaitable[None]) -> None:
         """Run background work for a finished request (tracked, errors logged)."""

@@ -22,15 +22,15 @@ received a byte, and a read timeout is not retried (the backend may still be wor
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.backends import Dialect, EventKind
+from proxy.backends import EventKind
 from proxy.backends.apis import MESSAGES, RESPONSES
 from proxy.backends.base import COMPLETIONS, NATIVE_COMPLETION
 from proxy.config import Timeouts
@@ -42,8 +42,9 @@ from proxy.errors import (
     anthropic_sse_error_event,
     sse_error_event,
 )
+from proxy.exchange import Exchange
 from proxy.headers import downstream_response_headers, is_event_stream, upstream_request_headers
-from proxy.records import Observation, monotonic
+from proxy.records import monotonic
 from proxy.sse import EventSplitter, event_data
 
 CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
@@ -83,29 +84,6 @@ class NotStarted(Exception):
     def connection_failed(self) -> bool:
         """Whether the replica is suspect (an unreadable answer is not a connection failure)."""
         return self.failure is not None and not isinstance(self.failure, BackendBadAnswer)
-
-
-@dataclass(slots=True)
-class Exchange:
-    """One request's way through the proxy: what goes upstream and what came back."""
-
-    request_id: str
-    route: str
-    upstream_path: str
-    obs: Observation
-    backend_url: str = ""
-    dialect: Dialect = field(default_factory=Dialect)
-    stream: bool = False
-    strip_usage: bool = False
-    status: int = 0
-    error: str | None = None
-    upstream_body: bytes = b""
-    on_first_token: Callable[[Mapping[str, Any]], None] | None = None
-    """Told once, with the event (or whole answer) that carried the backend's first token."""
-    response_headers: dict[str, str] = field(default_factory=dict)
-    """The proxy's own headers on the client's response (set before it starts)."""
-    send_timeout_s: float | None = None
-    """Longest a client may leave a write unaccepted before it is cut off (None: forever)."""
 
 
 def is_bodiless(method: str, status: int) -> bool:

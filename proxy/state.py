@@ -9,6 +9,7 @@ from aiohttp import web
 
 from proxy.canonical import Canonicalizer
 from proxy.config import Settings
+from proxy.exchange import Exchange
 from proxy.fleet import Fleet
 from proxy.prefixes import PrefixTracker
 from proxy.records import RecordBuilder, RecordWriter
@@ -26,7 +27,7 @@ class ProxyState:
     fleet: Fleet
     store: PrefixStore
     tracker: PrefixTracker
-    writer: RecordWriter
+    writer: RecordWriter[Exchange]
     builder: RecordBuilder
     canonicalizer: Canonicalizer
     redactor: Redactor

@@ -19,6 +19,7 @@ calls it and keeps it under ``ADMIN_APP``); its handlers read the traffic applic
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -53,7 +54,7 @@ __all__ = [
 def build_admin_app(
     proxy_app: web.Application,
     settings: Settings,
-    writer: RecordWriter,
+    writer: RecordWriter[Any],
     *,
     probes: Sequence[tuple[str, Handler]],
     middlewares: Sequence[Middleware] = (),

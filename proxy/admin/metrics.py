@@ -275,19 +275,18 @@ class ProxyMetrics:
             self._child(self.saved_usd, *mb).inc(saved_usd)
         for rule in record.canonical_rules:
             self._child(self.canonical_rules, rule).inc()
-        reason = record.extra.get("route_reason")
-        if isinstance(reason, str) and record.backend:
-            self.route_decision(record.backend, reason)
+        if record.route_reason is not None and record.backend:
+            self.route_decision(record.backend, record.route_reason)
         self._observe_schedule(record)
         self._observe_latencies(record, mb)
 
     def _observe_schedule(self, record: RequestRecord) -> None:
-        reason = record.extra.get("schedule_reason")
-        if not isinstance(reason, str) or not record.backend or not _REASON_OK.match(reason):
+        reason = record.schedule_reason
+        if reason is None or not record.backend or not _REASON_OK.match(reason):
             return
         self._child(self.schedule_decisions, record.backend, reason).inc()
-        held = record.extra.get("held_ms")
-        if isinstance(held, int | float) and held > 0 and math.isfinite(held):
+        held = record.held_ms
+        if held is not None and held > 0 and math.isfinite(held):
             self._child(self.held, record.backend).observe(held / 1000.0)
 
     def _observe_latencies(self, record: RequestRecord, mb: tuple[str, str]) -> None:

@@ -10,10 +10,12 @@
 * a replica with one shared prefix cache (vLLM, other OpenAI-compatible servers) with coalescing
   on: the request may be held until an in-flight request has prefilled its prefix (``coalesce``).
 
-It returns a ``Ticket``, which the relay tells about the first token (``Ticket.first_token``,
-with the event that carried it, for llama.cpp's ``id_slot``) and the handler about the end
-(``Ticket.end``). ``Scheduler.annotate`` writes the decision into the record
-(``schedule_reason``, ``slot``, ``held_ms``) and learns the replica's rates from it.
+It fills the request's ``Ticket`` (made by the handler before the scheduler may wait, and
+carried by its exchange), which the relay tells about the first token
+(``Ticket.first_token``, with the event that carried it, for llama.cpp's ``id_slot``) and the
+handler about the end (``Ticket.end``). The record is built from the ticket's decision
+(``schedule_reason``, ``slot``, ``held_ms``); ``Scheduler.learn``, a learner of the record
+writer, learns the replica's rates from the finished record.
 
 The picture of each llama.cpp replica's slots is this process's own, corrected by reading
 ``/slots`` in the background: traffic from elsewhere (other proxies, clients calling the server
@@ -92,6 +94,8 @@ class ReplicaState:
     endpoint: SlotEndpoint | None = None
     foreign_seen: float = -math.inf
     fanout: FanOut = field(default_factory=FanOut)
+    tickets: dict[SlotTask, Ticket] = field(default_factory=dict)
+    """The ticket of each task in this replica's slot table, until the ticket ends."""
 
 
 @dataclass(slots=True, eq=False)
@@ -140,6 +144,8 @@ class Ticket:
         state = self.state
         if state is None:
             return
+        if self.task is not None:
+            state.tickets.pop(self.task, None)
         if self.task is not None and state.table is not None:
             if usage is not None and usage.prompt_tokens:
                 self.measure(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
@@ -175,7 +181,6 @@ class Scheduler:
         self.config = config
         self._tokens_per_byte = tokens_per_byte
         self._states: dict[str, ReplicaState] = {}
-        self._tickets: dict[int, Ticket] = {}
         self._replicas: Sequence[Replica] = ()
         self._session: aiohttp.ClientSession | None = None
         self._headers: dict[str, str] = {}
@@ -249,7 +254,7 @@ class Scheduler:
 
     async def admit(
         self,
-        key: object,
+        ticket: Ticket,
         replica: Replica,
         view: PrefixView | None,
         body: MutableMapping[str, Any],
@@ -257,13 +262,11 @@ class Scheduler:
         model: str | None,
         stream: bool,
     ) -> Ticket:
-        """Decide where on ``replica`` the request goes; may wait (coalescing, fan-out).
-
-        ``key`` identifies the request until ``annotate`` (the handler's exchange object). When
-        the request is pinned, ``body["id_slot"]`` is set and ``Ticket.body_changed`` is True.
+        """Decide where on ``replica`` the request goes, into ``ticket`` (a new one, which the
+        caller holds before this may wait: the learner ends it should the wait be cut short);
+        may wait (coalescing, fan-out). When the request is pinned, ``body["id_slot"]`` is set
+        and ``Ticket.body_changed`` is True.
         """
-        ticket = Ticket()
-        self._tickets[id(key)] = ticket
         if view is None or not (self.pins(replica) or self.coalesces(replica)):
             return ticket
         state = self.state(replica.url)
@@ -322,6 +325,7 @@ class Scheduler:
             query=req.query(),
         )
         ticket.task = task  # from here on, the ticket's end takes it out of the table
+        state.tickets[task] = ticket
         if self.config.fanout and choice.reason == SLOT_QUEUE and choice.slot is not None:
             t0 = monotonic()
             copied = await self._fan_out(state, table, req, choice, task)
@@ -380,7 +384,7 @@ class Scheduler:
         holder = table.slots[choice.slot]
         if endpoint is None or not endpoint.save_supported or len(holder.tasks) != 1:
             return None
-        running = self._ticket_of(holder.tasks[0])
+        running = state.tickets.get(holder.tasks[0])
         if running is None:
             return None
         return await state.fanout.take_or_copy(
@@ -393,33 +397,16 @@ class Scheduler:
             min_tokens=self.config.min_prefix_tokens,
         )
 
-    def _ticket_of(self, task: SlotTask) -> Ticket | None:
-        return next((t for t in self._tickets.values() if t.task is task), None)
-
     # -- after the response --------------------------------------------------------------------
 
-    def annotate(self, record: RequestRecord, key: object) -> None:
-        """Write the decision into ``record`` and learn the replica's rates from it.
+    def learn(self, record: RequestRecord, ticket: Ticket | None) -> None:
+        """Learn from a finished request: its slot's measured content, the replica's rates.
 
-        ``schedule_reason`` and ``held_ms`` are written for every request a scheduling feature
-        applied to, ``slot`` when the request was pinned or its slot became known. Time held is
-        taken out of ``proxy_overhead_ms``: it is a decision, and it shows in the TTFT.
+        The record was built from ``ticket`` (the request's latest; None when it was never
+        scheduled), which ends here if the request ended before the scheduler was done with it.
         """
-        ticket = self._tickets.pop(id(key), None)
         if ticket is not None:
             ticket.end(ok=record.status < 400 and record.error is None)
-            if ticket.reason is not None:
-                record.extra["schedule_reason"] = ticket.reason
-                record.extra["held_ms"] = round(ticket.held_ms, 3)
-                overhead = record.proxy_overhead_ms - ticket.held_ms
-                record.proxy_overhead_ms = round(max(overhead, 0.0), 3)
-                if ticket.slot is not None:
-                    record.extra["slot"] = ticket.slot
-            if ticket.predicted_cached is not None:
-                # The replica's cache model knows better than the prefix index what a slot or
-                # the RAM cache holds.
-                record.predicted_cached_tokens = round(ticket.predicted_cached)
-                record.cache_source = ticket.cache_source
             if (
                 ticket.task is not None
                 and ticket.state is not None

@@ -115,11 +115,11 @@ class StatsSample:
             prefix_anchor=record.prefix_anchor,
             canonical_rules=list(record.canonical_rules),
             prefix_label=prefix_label,
-            route_reason=_route_reason(record),
-            schedule_reason=_schedule_reason(record),
+            route_reason=record.route_reason or None,
+            schedule_reason=record.schedule_reason or None,
             cache_source=record.cache_source,
-            affinity_source=_str_extra(record, "affinity_source"),
-            hosted_stripped=_names_extra(record, "hosted_fields_stripped"),
+            affinity_source=record.affinity_source or None,
+            hosted_stripped=[n for n in record.hosted_fields_stripped or () if n],
         )
 
     def latencies(self) -> dict[str, float | None]:
@@ -130,28 +130,6 @@ class StatsSample:
             "tpot": self.tpot_ms,
             "e2e": self.e2e_ms,
         }
-
-
-def _route_reason(record: RequestRecord) -> str | None:
-    reason = record.extra.get("route_reason")
-    return reason if isinstance(reason, str) and reason else None
-
-
-def _str_extra(record: RequestRecord, name: str) -> str | None:
-    value = record.extra.get(name)
-    return value if isinstance(value, str) and value else None
-
-
-def _names_extra(record: RequestRecord, name: str) -> list[str]:
-    value = record.extra.get(name)
-    if not isinstance(value, list):
-        return []
-    return [v for v in value if isinstance(v, str) and v]
-
-
-def _schedule_reason(record: RequestRecord) -> str | None:
-    reason = record.extra.get("schedule_reason")
-    return reason if isinstance(reason, str) and reason else None
 
 
 def sample_increments(sample: StatsSample) -> dict[str, float]:

@@ -156,7 +156,7 @@ def backfill(
                     saved_usd=PRICING.saved_usd(cached),
                     prefix_anchor=r.prefix_anchor,
                     canonical_rules=list(r.canonical_rules),
-                    route_reason=r.extra.get("route_reason"),
+                    route_reason=r.route_reason,
                 )
             )
     return out

@@ -151,10 +151,10 @@ def _record(**fields: Any) -> RequestRecord:
 def test_route_reason_from_the_record() -> None:
     """A record's route_reason is counted per backend and reason; odd reasons are ignored."""
     metrics = ProxyMetrics(state=lambda: None)
-    metrics.observe(_record(extra={"route_reason": "affinity"}))
-    metrics.observe(_record(extra={"route_reason": "affinity"}))
-    metrics.observe(_record(extra={"route_reason": "miss"}))
-    metrics.observe(_record(extra={"route_reason": "Not A Reason!"}))
+    metrics.observe(_record(route_reason="affinity"))
+    metrics.observe(_record(route_reason="affinity"))
+    metrics.observe(_record(route_reason="miss"))
+    metrics.observe(_record(route_reason="Not A Reason!"))
     metrics.route_decision("http://b:2", "load_gate")
     m = parse(_exposition(metrics))
     name = "prefixgate_route_decisions_total"

@@ -154,7 +154,7 @@ async def test_affinity_beats_round_robin_on_cached_tokens(replicas: tuple[str, 
             f"= {s['cached_share']:.1%}; TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
             f"mean {s['ttft_mean_ms']:.0f} ms; workload {f['wall_s']:.1f} s"
         )
-    reasons = [r.extra["route_reason"] for r in aff_records]
+    reasons = [r.route_reason for r in aff_records]
     print(f"  affinity route reasons: { {x: reasons.count(x) for x in sorted(set(reasons))} }")
     for name, recs in (("round-robin", rr_records), ("prefix-affinity", aff_records)):
         per = [sum(r.backend == u for r in recs) for u in replicas]

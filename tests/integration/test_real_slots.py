@@ -90,7 +90,7 @@ async def test_fan_out_burst_is_prefilled_once_and_finishes_sooner(four_slots: s
     finally:
         await server.close()
     await writer.drain()
-    reasons = sorted(str(r.extra.get("schedule_reason")) for r in records[-4:])
+    reasons = sorted(str(r.schedule_reason) for r in records[-4:])
     assert reasons == ["slot_place", "slot_queue", "slot_queue", "slot_queue"], reasons
     one = max(proxied)  # the request that prefilled the prompt for the others
     assert sum(proxied) <= 1.5 * one, proxied

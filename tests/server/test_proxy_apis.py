@@ -353,7 +353,7 @@ async def test_responses_are_placed_on_a_slot_and_messages_are_not(
         assert resp.status == 200
     assert fake.last_body is not None and isinstance(fake.last_body.get("id_slot"), int)
     rec = await records.wait(1)
-    assert rec.extra["schedule_reason"].startswith("slot_")
+    assert rec.schedule_reason.startswith("slot_")
     async with client.post("/v1/messages", json=messages_body("hi")) as resp:
         assert resp.status == 200
     assert fake.last_body is not None and "id_slot" not in fake.last_body

@@ -50,9 +50,9 @@ async def test_shared_system_prompt_burst_spreads(
     late = records[warm:]
     counts = sorted(sum(r.backend == f.url for r in late) for f in fakes)
     assert counts == [4, 4]
-    assert {r.extra["route_reason"] for r in late} == {"miss"}
+    assert {r.route_reason for r in late} == {"miss"}
     holder = records[0].backend  # it has held the system prompt since the first request
-    assert all(r.extra["prefix_matched_blocks"] >= 8 for r in late if r.backend == holder)
+    assert all(r.prefix_matched_blocks >= 8 for r in late if r.backend == holder)
 
 
 DOCUMENT = "Attached report for the sub-agents. " + " ".join(f"finding-{i}" for i in range(400))
@@ -81,5 +81,5 @@ async def test_related_burst_arriving_together_lands_together(
     await asyncio.gather(*(post(client, subtask(n)) for n in range(6)))
     await records.wait(6)
     assert len({r.backend for r in records}) == 1
-    reasons = sorted(r.extra["route_reason"] for r in records)
+    reasons = sorted(r.route_reason for r in records)
     assert reasons == ["affinity"] * 5 + ["miss"]

@@ -44,8 +44,8 @@ async def test_one_key_sticks_to_one_replica(two: list[LlamaFake], make_proxy: M
         await post(client, turn(f"unrelated question number {i} " * (i + 1), prompt_cache_key="t1"))
     await records.wait(8)
     assert len({r.backend for r in records}) == 1
-    assert {r.extra["route_reason"] for r in records} == {"key_affinity"}
-    assert {r.extra["affinity_source"] for r in records} == {"prompt_cache_key"}
+    assert {r.route_reason for r in records} == {"key_affinity"}
+    assert {r.affinity_source for r in records} == {"prompt_cache_key"}
 
 
 async def test_different_keys_spread(two: list[LlamaFake], make_proxy: MakeProxy) -> None:
@@ -55,7 +55,7 @@ async def test_different_keys_spread(two: list[LlamaFake], make_proxy: MakeProxy
         await post(client, turn("same question", prompt_cache_key=f"thread-{i}"))
     await records.wait(20)
     assert {r.backend for r in records} == {f.url for f in two}
-    assert len({r.extra["affinity_key"] for r in records}) == 20
+    assert len({r.affinity_key for r in records}) == 20
 
 
 async def test_key_does_not_override_health(two: list[LlamaFake], make_proxy: MakeProxy) -> None:
@@ -68,7 +68,7 @@ async def test_key_does_not_override_health(two: list[LlamaFake], make_proxy: Ma
     fleet.report_failure(fleet[home], "down for the test")
     await post(client, turn("hello again", prompt_cache_key="k"))
     moved = await records.wait(2)
-    assert moved.backend != home and moved.extra["route_reason"] == "key_affinity"
+    assert moved.backend != home and moved.route_reason == "key_affinity"
     await fleet.check_all()  # the fake answers /health again: restored
     await post(client, turn("and again", prompt_cache_key="k"))
     assert (await records.wait(3)).backend == home
@@ -85,7 +85,7 @@ async def test_key_obeys_the_load_gate(two: list[LlamaFake], make_proxy: MakePro
     await app[STATE].fleet.check_all()
     await post(client, turn("hello again", prompt_cache_key="k"))
     gated = await records.wait(2)
-    assert gated.backend != home and gated.extra["route_reason"] == "load_gate"
+    assert gated.backend != home and gated.route_reason == "load_gate"
 
 
 async def test_session_headers_are_keys(two: list[LlamaFake], make_proxy: MakeProxy) -> None:
@@ -98,13 +98,13 @@ async def test_session_headers_are_keys(two: list[LlamaFake], make_proxy: MakePr
     await post(client, turn("d", prompt_cache_key=""), **{"x-session-id": ""})
     await records.wait(4)
     first, second, third, fourth = records[:4]
-    assert first.extra["affinity_source"] == "x-session-id"
-    assert second.extra["affinity_source"] == "x-session-affinity"
-    assert first.extra["affinity_key"] == second.extra["affinity_key"]
-    assert third.extra["affinity_source"] == "prompt_cache_key"
-    assert third.extra["affinity_key"] != first.extra["affinity_key"]
-    assert "affinity_key" not in fourth.extra
-    assert fourth.extra["route_reason"] in {"miss", "affinity"}
+    assert first.affinity_source == "x-session-id"
+    assert second.affinity_source == "x-session-affinity"
+    assert first.affinity_key == second.affinity_key
+    assert third.affinity_source == "prompt_cache_key"
+    assert third.affinity_key != first.affinity_key
+    assert fourth.affinity_key is None
+    assert fourth.route_reason in {"miss", "affinity"}
 
 
 async def test_record_carries_the_hash_never_the_value(
@@ -115,7 +115,7 @@ async def test_record_carries_the_hash_never_the_value(
     secret = "thread-4f1d9c0e-very-private"
     await post(client, turn("hi", prompt_cache_key=secret))
     record = await records.wait(1)
-    assert record.extra["affinity_key"] == f"{hash_key(secret):016x}"
+    assert record.affinity_key == f"{hash_key(secret):016x}"
     assert secret not in str(record.as_dict())
     assert hash_key(secret, "tenant-a") != hash_key(secret)
 
@@ -126,7 +126,7 @@ async def test_logged_body_carries_the_hash(llama_fake: LlamaFake, make_proxy: M
     client, records, _ = await make_proxy(llama_fake.url, log_prompts=True)
     await post(client, turn("hi", prompt_cache_key="thread-secret-1"))
     record = await records.wait(1)
-    assert record.extra["body"]["prompt_cache_key"] == record.extra["affinity_key"]
+    assert record.body["prompt_cache_key"] == record.affinity_key
     assert "thread-secret-1" not in str(record.as_dict())
     assert llama_fake.requests[-1]["prompt_cache_key"] == "thread-secret-1"
 
@@ -139,7 +139,7 @@ async def test_key_splits_no_prefix(two: list[LlamaFake], make_proxy: MakeProxy)
     await post(client, turn("same"))
     await records.wait(3)
     assert len({r.prefix_anchor for r in records}) == 1
-    assert len({tuple(map(tuple, r.extra["prefix_segments"])) for r in records}) == 1
+    assert len({tuple(map(tuple, r.prefix_segments)) for r in records}) == 1
 
 
 async def test_other_policies_ignore_the_key(two: list[LlamaFake], make_proxy: MakeProxy) -> None:
@@ -148,7 +148,7 @@ async def test_other_policies_ignore_the_key(two: list[LlamaFake], make_proxy: M
     for _ in range(4):
         await post(client, turn("x", prompt_cache_key="k"))
     await records.wait(4)
-    assert {r.extra["route_reason"] for r in records} == {"round_robin"}
+    assert {r.route_reason for r in records} == {"round_robin"}
     assert len({r.backend for r in records}) == 2
 
 
@@ -162,7 +162,7 @@ async def test_hosted_fields_kept_for_llamacpp_and_vllm(
         await post(client, turn("hi", **fields))
         record = await records.wait(1)
         assert all(fake.requests[-1][k] == v for k, v in fields.items())
-        assert "hosted_fields_stripped" not in record.extra
+        assert record.hosted_fields_stripped is None
 
 
 async def test_hosted_fields_stripped_for_a_generic_server(
@@ -178,14 +178,14 @@ async def test_hosted_fields_stripped_for_a_generic_server(
     sent = llama_fake.requests[-1]
     assert not set(HOSTED_FIELDS) & set(sent)
     assert sent["temperature"] == 0.5 and sent["seed"] == 3
-    assert record.extra["hosted_fields_stripped"] == [
+    assert record.hosted_fields_stripped == [
         "prompt_cache_key",
         "prompt_cache_retention",
         "safety_identifier",
         "store",
         "metadata",
     ]
-    assert record.extra["affinity_source"] == "prompt_cache_key"
+    assert record.affinity_source == "prompt_cache_key"
 
 
 async def test_stripping_is_configurable_per_dialect(
@@ -197,7 +197,7 @@ async def test_stripping_is_configurable_per_dialect(
     ).hosted
     client, records, _ = await make_proxy(llama_fake.url, hosted=hosted)
     await post(client, turn("hi", prompt_cache_key="k"))
-    assert (await records.wait(1)).extra["hosted_fields_stripped"] == ["prompt_cache_key"]
+    assert (await records.wait(1)).hosted_fields_stripped == ["prompt_cache_key"]
     assert "prompt_cache_key" not in llama_fake.requests[-1]
     client2, records2, _ = await make_proxy(
         llama_fake.url, dialect="openai", hosted=HostedFields(strip_dialects=())

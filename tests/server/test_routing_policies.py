@@ -53,9 +53,9 @@ async def test_prefix_affinity_keeps_conversations_on_their_replica(
     by_conv = {n: [records[(t - 1) * convs + n] for t in range(1, turns + 1)] for n in range(convs)}
     for recs in by_conv.values():
         assert len({r.backend for r in recs}) == 1
-        assert [r.extra["route_reason"] for r in recs] == ["miss", "affinity", "affinity"]
+        assert [r.route_reason for r in recs] == ["miss", "affinity", "affinity"]
         assert all(r.cached_tokens for r in recs[1:])
-        assert recs[1].extra["prefix_matched_blocks"] >= 8
+        assert recs[1].prefix_matched_blocks >= 8
     assert {recs[0].backend for recs in by_conv.values()} == {f.url for f in fakes}
 
 
@@ -69,7 +69,7 @@ async def test_round_robin_cycles_through_replicas(
     await records.wait(6)
     got = [r.backend for r in records]
     assert got[:3] == got[3:] and set(got) == {f.url for f in three}
-    assert {r.extra["route_reason"] for r in records} == {"round_robin"}
+    assert {r.route_reason for r in records} == {"round_robin"}
 
 
 async def concurrent(client: ProxyClient, bodies: list[dict[str, Any]]) -> None:
@@ -87,8 +87,8 @@ async def test_least_loaded_spreads_concurrent_requests(
     await concurrent(client, [conversation(0, 1)] * 4)
     await records.wait(4)
     assert sorted(len(f.requests) for f in fakes) == [2, 2]
-    assert {r.extra["route_reason"] for r in records} == {"least_loaded"}
-    assert sorted(r.extra["replica_load"] for r in records) == [0, 0, 1, 1]
+    assert {r.route_reason for r in records} == {"least_loaded"}
+    assert sorted(r.replica_load for r in records) == [0, 0, 1, 1]
 
 
 async def test_weights_scale_the_share_of_load(
@@ -123,8 +123,8 @@ async def test_load_gate_moves_affinity_off_a_busy_replica(
     await post(client, conversation(0, 3))
     gated = await records.wait(3)
     assert gated.backend != holder
-    assert gated.extra["route_reason"] == "load_gate"
-    assert gated.extra["replica_load"] == 0
+    assert gated.route_reason == "load_gate"
+    assert gated.replica_load == 0
 
 
 async def test_single_backend_reason(llama_fake: LlamaFake, make_proxy: MakeProxy) -> None:
@@ -132,8 +132,8 @@ async def test_single_backend_reason(llama_fake: LlamaFake, make_proxy: MakeProx
     client, records, _ = await make_proxy(llama_fake.url)
     await post(client, conversation(0, 1))
     record = await records.wait()
-    assert (record.backend, record.extra["route_reason"]) == (llama_fake.url, "single")
-    assert "retried_from" not in record.extra
+    assert (record.backend, record.route_reason) == (llama_fake.url, "single")
+    assert record.retried_from is None
 
 
 async def test_unparseable_request_is_not_routed(
@@ -144,7 +144,7 @@ async def test_unparseable_request_is_not_routed(
     async with client.post("/v1/chat/completions", data=b"{not json") as resp:
         assert resp.status == 400
     record = await records.wait()
-    assert record.backend is None and "route_reason" not in record.extra
+    assert record.backend is None and record.route_reason is None
     assert all(not f.requests for f in three)
 
 

@@ -83,7 +83,7 @@ async def test_conversation_alternating_proxies_stays_on_one_replica(
             sent[which] += 1
             record = await records.wait(sent[which])
             await app[STATE].writer.drain()
-            backends[n].append((record.backend, record.extra["route_reason"]))
+            backends[n].append((record.backend, record.route_reason))
     for got in backends.values():
         assert len({b for b, _ in got}) == 1
         assert [reason for _, reason in got] == ["miss", "affinity", "affinity"]

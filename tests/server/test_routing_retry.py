@@ -66,10 +66,10 @@ async def test_connection_reset_is_retried_on_another_replica(
     if stream:
         assert all(sse_payloads(raw) for _, raw in got)
     await records.wait(2)
-    retried = [r for r in records if "retried_from" in r.extra]
+    retried = [r for r in records if r.retried_from is not None]
     assert len(retried) == 1
-    assert retried[0].extra["retried_from"] == bad.url
-    assert retried[0].extra["route_reason"] == "retry"
+    assert retried[0].retried_from == bad.url
+    assert retried[0].route_reason == "retry"
     assert (retried[0].backend, retried[0].status, retried[0].error) == (good.url, 200, None)
     assert len(bad.requests) == 2 and len(good.requests) == 2
     fleet = app[STATE].fleet
@@ -87,7 +87,7 @@ async def test_503_is_retried_without_ejecting(
     for _ in range(2):
         assert (await first_to(client, CHAT))[0] == 200
     await records.wait(2)
-    assert [r.extra.get("retried_from") for r in records].count(bad.url) == 1
+    assert [r.retried_from for r in records].count(bad.url) == 1
     assert {r.backend for r in records} == {good.url}
     assert app[STATE].fleet[bad.url].healthy
 
@@ -101,7 +101,7 @@ async def test_other_statuses_are_not_retried(
     statuses = sorted([(await first_to(client, CHAT))[0] for _ in range(2)])
     assert statuses == [200, 500]
     await records.wait(2)
-    assert all("retried_from" not in r.extra for r in records)
+    assert all(r.retried_from is None for r in records)
     assert len(good.requests) == 1
 
 
@@ -120,7 +120,7 @@ async def test_503_relayed_when_no_other_replica_is_healthy(
     assert b"the request exceeds the context size" in raw
     record = await records.wait()
     assert (record.backend, record.error) == (bad.url, "upstream_error")
-    assert "retried_from" not in record.extra and not other.requests
+    assert record.retried_from is None and not other.requests
 
 
 async def test_no_retry_once_bytes_reached_the_client(
@@ -132,7 +132,7 @@ async def test_no_retry_once_bytes_reached_the_client(
     streams = [await first_to(client, {**CHAT, "stream": True}) for _ in range(2)]
     await records.wait(2)
     cut = next(r for r in records if r.backend == bad.url)
-    assert cut.error == "backend_disconnected" and "retried_from" not in cut.extra
+    assert cut.error == "backend_disconnected" and cut.retried_from is None
     assert len(good.requests) == 1  # only its own round-robin turn
     raw = next(raw for _, raw in streams if b"Hello" in raw and b'"error"' in raw)
     assert sse_payloads(raw)[-1]["error"]["type"] == "backend_unavailable"
@@ -149,7 +149,7 @@ async def test_dead_replica_is_retried_and_ejected(
     for _ in range(3):
         assert (await first_to(client, CHAT))[0] == 200
     await records.wait(3)
-    assert [r.extra.get("retried_from") for r in records].count(bad.url) == 1
+    assert [r.retried_from for r in records].count(bad.url) == 1
     assert not app[STATE].fleet[bad.url].healthy
 
 

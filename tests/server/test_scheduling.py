@@ -51,11 +51,11 @@ async def test_burst_sharing_a_new_prefix_is_prefilled_once(
     await records.wait(4)
     assert len(set(slot_fake.assigned)) == 1
     assert slot_fake.prompt_processed <= 1.5 * WORDS
-    reasons = sorted(r.extra["schedule_reason"] for r in records)
+    reasons = sorted(r.schedule_reason for r in records)
     assert reasons == ["slot_place", "slot_queue", "slot_queue", "slot_queue"]
-    assert {r.extra["slot"] for r in records} == set(slot_fake.assigned)
+    assert {r.slot for r in records} == set(slot_fake.assigned)
     assert all(b["id_slot"] == slot_fake.assigned[0] for b in slot_fake.requests)
-    assert all(r.extra["held_ms"] == 0.0 for r in records)
+    assert all(r.held_ms == 0.0 for r in records)
 
 
 async def test_burst_without_scheduling_prefills_per_slot(
@@ -70,7 +70,7 @@ async def test_burst_without_scheduling_prefills_per_slot(
     assert len(set(slot_fake.assigned)) == 4
     assert slot_fake.prompt_processed >= 3.5 * WORDS
     assert all("id_slot" not in b for b in slot_fake.requests)
-    assert all("schedule_reason" not in r.extra for r in records)
+    assert all(r.schedule_reason is None for r in records)
 
 
 async def test_unrelated_burst_spreads_over_idle_slots(
@@ -81,7 +81,7 @@ async def test_unrelated_burst_spreads_over_idle_slots(
     await post_all(client, [chat(f"app{i} " + SYSTEM, "hello?") for i in range(4)])
     await records.wait(4)
     assert sorted(slot_fake.assigned) == [0, 1, 2, 3]
-    assert [r.extra["schedule_reason"] for r in records] == ["slot_place"] * 4
+    assert [r.schedule_reason for r in records] == ["slot_place"] * 4
 
 
 async def test_long_answers_run_in_parallel_when_decoding_dominates(
@@ -94,7 +94,7 @@ async def test_long_answers_run_in_parallel_when_decoding_dominates(
     await post_all(client, [chat(SYSTEM, f"question {i}?", max_tokens=512) for i in range(4)])
     await records.wait(4)
     assert len(set(slot_fake.assigned)) == 4
-    reasons = sorted(r.extra["schedule_reason"] for r in records)
+    reasons = sorted(r.schedule_reason for r in records)
     assert reasons == ["slot_parallel", "slot_parallel", "slot_parallel", "slot_place"]
 
 
@@ -106,8 +106,8 @@ async def test_next_request_hits_the_slot_holding_its_prefix(
     await post_all(client, [chat(f"app{i} " + SYSTEM, "hello?") for i in range(3)])
     await post_all(client, [chat("app1 " + SYSTEM, "and again?")])
     last = await records.wait(4)
-    assert last.extra["schedule_reason"] == "slot_hit"
-    assert last.extra["slot"] == slot_fake.assigned[1]
+    assert last.schedule_reason == "slot_hit"
+    assert last.slot == slot_fake.assigned[1]
     assert last.cached_tokens is not None and last.cached_tokens >= WORDS - 8
 
 
@@ -117,9 +117,9 @@ async def test_client_id_slot_is_kept(slot_fake: SlotLlamaFake, make_proxy: Make
     await post_all(client, [chat(SYSTEM, "q?", id_slot=2)])
     rec = await records.wait(1)
     assert slot_fake.last_body is not None and slot_fake.last_body["id_slot"] == 2
-    assert rec.extra["schedule_reason"] == "slot_client" and rec.extra["slot"] == 2
+    assert rec.schedule_reason == "slot_client" and rec.slot == 2
     await post_all(client, [chat(SYSTEM, "next?")])
-    assert (await records.wait(2)).extra["slot"] == 2
+    assert (await records.wait(2)).slot == 2
 
 
 async def test_native_completion_learns_the_slot_the_server_chose(
@@ -139,9 +139,9 @@ async def test_native_completion_learns_the_slot_the_server_chose(
     await asyncio.gather(*busy)
     records_by_route = {r.route: r for r in await _all(records, 3)}
     native = records_by_route["/completion"]
-    assert native.extra["schedule_reason"] == "slot_busy"
+    assert native.schedule_reason == "slot_busy"
     assert "id_slot" not in fake.requests[-1]
-    assert native.extra["slot"] == fake.assigned[-1]
+    assert native.slot == fake.assigned[-1]
 
 
 async def _all(records: Any, n: int) -> list[Any]:
@@ -164,7 +164,7 @@ async def test_foreign_traffic_turns_pinning_off_in_auto_mode(
     slot_fake.slot_busy[3] = False
     await post_all(client, [chat(SYSTEM, "next?")])
     rec = await records.wait(2)
-    assert rec.extra["schedule_reason"] == "slot_foreign" and "slot" not in rec.extra
+    assert rec.schedule_reason == "slot_foreign" and rec.slot is None
     assert slot_fake.last_body is not None and "id_slot" not in slot_fake.last_body
 
 
@@ -183,7 +183,7 @@ async def test_foreign_traffic_does_not_stop_pinning_when_on(
     slot_fake.slot_busy[1] = False
     await post_all(client, [chat(SYSTEM, "next?")])
     rec = await records.wait(2)
-    assert rec.extra["schedule_reason"] == "slot_hit"
+    assert rec.schedule_reason == "slot_hit"
 
 
 async def test_fanout_copies_a_busy_slot_so_followers_decode_in_parallel(
@@ -197,12 +197,12 @@ async def test_fanout_copies_a_busy_slot_so_followers_decode_in_parallel(
     client, records, _ = await make_proxy(fake.url, scheduling=SchedulingConfig(fanout=True))
     await post_all(client, [chat(SYSTEM, f"question {i}?", max_tokens=8) for i in range(4)])
     await records.wait(4)
-    reasons = sorted(r.extra["schedule_reason"] for r in records)
+    reasons = sorted(r.schedule_reason for r in records)
     assert reasons.count("slot_fanout") >= 2, reasons
     assert fake.saves == 1 and fake.restores == reasons.count("slot_fanout")
     assert len(set(fake.assigned)) >= 3
     assert fake.prompt_processed <= 1.5 * WORDS
-    held = [r.extra["held_ms"] for r in records if r.extra["schedule_reason"] == "slot_fanout"]
+    held = [r.held_ms for r in records if r.schedule_reason == "slot_fanout"]
     assert all(h > 0 for h in held)
 
 

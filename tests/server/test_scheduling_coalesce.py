@@ -50,13 +50,13 @@ async def test_concurrent_requests_compute_a_shared_prefix_once(
     await post_all(client, [chat(SYSTEM, f"question {i}?") for i in range(3)])
     await records.wait(3)
     assert apc_fake.computed_tokens <= 1.5 * PREFIX_WORDS
-    reasons = sorted(r.extra["schedule_reason"] for r in records)
+    reasons = sorted(r.schedule_reason for r in records)
     assert reasons == ["coalesced", "coalesced", "lead"]
-    held = sorted(r.extra["held_ms"] for r in records)
+    held = sorted(r.held_ms for r in records)
     assert held[0] == 0.0 and held[1] > 0.0
-    followers = [r for r in records if r.extra["schedule_reason"] == "coalesced"]
+    followers = [r for r in records if r.schedule_reason == "coalesced"]
     assert all(r.cached_tokens and r.cached_tokens >= PREFIX_WORDS - 16 for r in followers)
-    assert all(r.proxy_overhead_ms < r.extra["held_ms"] for r in followers)
+    assert all(r.proxy_overhead_ms < r.held_ms for r in followers)
 
 
 async def test_a_follower_arriving_after_the_claim_landed_still_waits(
@@ -76,7 +76,7 @@ async def test_a_follower_arriving_after_the_claim_landed_still_waits(
     await asyncio.gather(post_all(client, [chat(SYSTEM, "question 0?")]), follower())
     await records.wait(2)
     assert fake.computed_tokens <= 1.5 * PREFIX_WORDS
-    assert sorted(r.extra["schedule_reason"] for r in records) == ["coalesced", "lead"]
+    assert sorted(r.schedule_reason for r in records) == ["coalesced", "lead"]
 
 
 async def test_without_coalescing_every_request_computes_the_prefix(
@@ -87,7 +87,7 @@ async def test_without_coalescing_every_request_computes_the_prefix(
     await post_all(client, [chat(SYSTEM, f"question {i}?") for i in range(3)])
     await records.wait(3)
     assert apc_fake.computed_tokens >= 2.9 * PREFIX_WORDS
-    assert all("schedule_reason" not in r.extra for r in records)
+    assert all(r.schedule_reason is None for r in records)
 
 
 async def test_hold_is_bounded_by_the_maximum_wait(
@@ -100,9 +100,9 @@ async def test_hold_is_bounded_by_the_maximum_wait(
     )
     await post_all(client, [chat(SYSTEM, f"question {i}?") for i in range(2)])
     await records.wait(2)
-    follower = next(r for r in records if r.extra["schedule_reason"] != "lead")
-    assert follower.extra["schedule_reason"] == "coalesce_timeout"
-    assert 25.0 <= follower.extra["held_ms"] < 400.0
+    follower = next(r for r in records if r.schedule_reason != "lead")
+    assert follower.schedule_reason == "coalesce_timeout"
+    assert 25.0 <= follower.held_ms < 400.0
 
 
 async def test_short_shared_prefix_is_not_worth_a_wait(
@@ -113,8 +113,8 @@ async def test_short_shared_prefix_is_not_worth_a_wait(
     short = "You are helpful."
     await post_all(client, [chat(short, f"{i} " + SYSTEM) for i in range(2)])
     await records.wait(2)
-    assert [r.extra["schedule_reason"] for r in records] == ["lead", "lead"]
-    assert all(r.extra["held_ms"] == 0.0 for r in records)
+    assert [r.schedule_reason for r in records] == ["lead", "lead"]
+    assert all(r.held_ms == 0.0 for r in records)
 
 
 async def test_failed_leader_releases_its_followers(
@@ -127,8 +127,8 @@ async def test_failed_leader_releases_its_followers(
     bodies = [chat(SYSTEM, f"question {i}?") for i in range(2)]
     await post_all(client, bodies)
     await records.wait(2)
-    follower = next(r for r in records if r.extra["schedule_reason"] != "lead")
-    assert follower.extra["held_ms"] < 1000.0
+    follower = next(r for r in records if r.schedule_reason != "lead")
+    assert follower.held_ms < 1000.0
 
 
 async def test_non_streamed_leader_releases_followers_after_its_expected_prefill(
@@ -140,9 +140,9 @@ async def test_non_streamed_leader_releases_followers_after_its_expected_prefill
     )
     await post_all(client, [chat(SYSTEM, f"question {i}?", stream=False) for i in range(2)])
     await records.wait(2)
-    follower = next(r for r in records if r.extra["schedule_reason"] != "lead")
-    assert follower.extra["schedule_reason"] == "coalesced"
-    assert follower.extra["held_ms"] < 2000.0
+    follower = next(r for r in records if r.schedule_reason != "lead")
+    assert follower.schedule_reason == "coalesced"
+    assert follower.held_ms < 2000.0
 
 
 async def test_decisions_are_counted_in_stats_and_metrics(

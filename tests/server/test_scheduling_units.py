@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
-from proxy.backends import BackendInfo, dialect_named
+from proxy.backends import CHAT, BackendInfo, dialect_named
 from proxy.config import BackendSpec, ConfigError, resolve
 from proxy.fingerprint import fingerprint
 from proxy.fleet import Replica
 from proxy.prefixes import PrefixView
-from proxy.records import RequestRecord
-from proxy.scheduling import Scheduler, SchedulingConfig, requested_output
+from proxy.exchange import Exchange, build_record
+from proxy.prefixes import PrefixTracker
+from proxy.records import Observation, Pricing, RecordBuilder, RequestRecord, Slo
+from proxy.redact import Redactor
+from proxy.scheduling import Scheduler, SchedulingConfig, Ticket, requested_output
+from proxy.store import EmbeddedStore
 from proxy.scheduling.coalesce import InflightPrefixes, wait_for_leader
 
 
@@ -38,6 +43,32 @@ def record(backend: str, **fields: object) -> RequestRecord:
 
 
 LONG = "policy text " * 400
+SCHEDULE_FIELDS = ("schedule_reason", "held_ms", "slot")
+
+
+def record_of(ticket: Ticket, backend: str, **observed: Any) -> RequestRecord:
+    """The record the proxy builds for a request that carried ``ticket`` to ``backend``."""
+    ex = Exchange(
+        request_id="r",
+        route=CHAT,
+        upstream_path="/v1/chat/completions",
+        obs=Observation(t_start=0.0, t_end=0.0, **observed),
+        backend_url=backend,
+        status=200,
+        ticket=ticket,
+    )
+    return build_record(
+        ex,
+        builder=RecordBuilder(slo=Slo(), pricing=Pricing()),
+        tracker=PrefixTracker(EmbeddedStore(), block_bytes=64),
+        redactor=Redactor.build(),
+        log_prompts=False,
+    )
+
+
+def schedule_fields(rec: RequestRecord) -> dict[str, Any]:
+    """The scheduler's keys of the record's JSON line."""
+    return {k: v for k, v in rec.as_dict().items() if k in SCHEDULE_FIELDS}
 
 
 def test_registry_finds_the_run_of_blocks_in_flight() -> None:
@@ -111,16 +142,18 @@ async def test_ticket_records_the_decision_and_frees_the_slot() -> None:
     """The record gets reason and slot; after the end the slot holds the request's prompt."""
     scheduler = Scheduler(SchedulingConfig(), tokens_per_byte=lambda m: 0.25)
     llama = replica("llamacpp")
-    key = object()
+    ticket = Ticket()
     body: dict[str, object] = {"max_tokens": 4}
     view = view_of(LONG)
-    ticket = await scheduler.admit(key, llama, view, body, model=None, stream=False)
+    await scheduler.admit(ticket, llama, view, body, model=None, stream=False)
     assert body["id_slot"] == 0 and ticket.body_changed
     ticket.first_token({"id_slot": 0})
     ticket.end(ok=True)
-    rec = record(llama.url, prompt_tokens=1200, cached_tokens=0, backend_prefill_ms=6000.0)
-    scheduler.annotate(rec, key)
-    assert rec.extra == {"schedule_reason": "slot_place", "held_ms": 0.0, "slot": 0}
+    rec = record_of(
+        ticket, llama.url, prompt_tokens=1200, cached_tokens=0, backend_prefill_ms=6000.0
+    )
+    scheduler.learn(rec, ticket)
+    assert schedule_fields(rec) == {"schedule_reason": "slot_place", "held_ms": 0.0, "slot": 0}
     table = scheduler.state(llama.url).table
     assert table is not None and table.slots[0].content == view.fp.block_hashes
     assert scheduler.state(llama.url).rates.prefill_ms_per_token == pytest.approx(5.0)
@@ -129,15 +162,15 @@ async def test_ticket_records_the_decision_and_frees_the_slot() -> None:
 async def test_request_to_an_unscheduled_replica_is_left_alone() -> None:
     """Scheduling off for a replica: no field in the body, nothing in the record."""
     scheduler = Scheduler(SchedulingConfig(slot_scheduling="off"), tokens_per_byte=lambda m: 0.25)
-    key = object()
+    ticket = Ticket()
     body: dict[str, object] = {}
-    ticket = await scheduler.admit(
-        key, replica("llamacpp"), view_of(LONG), body, model=None, stream=False
+    await scheduler.admit(
+        ticket, replica("llamacpp"), view_of(LONG), body, model=None, stream=False
     )
     assert body == {} and not ticket.body_changed
-    rec = record("http://llamacpp:1")
-    scheduler.annotate(rec, key)
-    assert rec.extra == {}
+    rec = record_of(ticket, "http://llamacpp:1")
+    scheduler.learn(rec, ticket)
+    assert schedule_fields(rec) == {}
 
 
 def test_scheduling_options_resolve_from_flags_and_environment() -> None:

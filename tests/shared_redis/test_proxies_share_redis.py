@@ -165,7 +165,7 @@ async def test_two_proxies_see_each_others_prefixes(
             assert r.status == 200
         await writer_b.drain()
     assert recs_a[0].prefix_blocks > 4
-    assert recs_b[0].extra["prefix_matched_blocks"] >= recs_a[0].prefix_blocks - 1
+    assert recs_b[0].prefix_matched_blocks >= recs_a[0].prefix_blocks - 1
     assert (recs_b[0].predicted_cached_tokens or 0) > 0
 
 

@@ -113,8 +113,8 @@ def test_builder_error_misses_slo_and_overhead() -> None:
     assert rec.e2e_ms == pytest.approx(200.0)
 
 
-def test_record_as_dict_merges_extra() -> None:
-    """as_dict is flat: schema fields plus extra, no 'extra' key."""
+def test_record_as_dict_is_flat() -> None:
+    """as_dict is flat: every field, the fields set only when they apply, no 'extra' key."""
     rec = RequestRecord(
         ts="t",
         request_id="r",
@@ -123,7 +123,7 @@ def test_record_as_dict_merges_extra() -> None:
         backend=None,
         stream=False,
         status=200,
-        extra={"prefix_matched_blocks": 3},
+        prefix_matched_blocks=3,
     )
     d = rec.as_dict()
     assert d["prefix_matched_blocks"] == 3 and "extra" not in d

@@ -153,7 +153,7 @@ async def test_route_reason_reaches_the_statistics() -> None:
     store = EmbeddedStore()
     tracker = PrefixTracker(store, block_bytes=BLOCK)
     rec = record(backend=R1)
-    rec.extra["route_reason"] = "load_gate"
+    rec.route_reason = "load_gate"
     await tracker.learn(rec, None, replica=R1, capacity_tokens=1)
     window = await store.query_stats(since_s=0)
     assert window.total.routes() == {"load_gate": 1}

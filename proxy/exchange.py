@@ -1,0 +1,187 @@
+"""One inference request's way through the proxy, and the record built from it once.
+
+Each stage of an inference request hands its typed result on in the ``Exchange``: the
+canonicalizer its ``CanonicalResult``, the prefix tracker its ``PrefixView``, the router its
+``Target``, the scheduler its ``Ticket``, the relay what it observed. When the request has ended,
+``build_record`` builds the ``RequestRecord`` from them in one place, and the record writer hands
+it to its sinks (the log line, metrics) and to ``learn`` (the scheduler's rates, the prefix index
+and the statistics), which reads the stage results the record was built from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from proxy.backends import Dialect
+from proxy.fingerprint import hex64
+from proxy.hosted import PROMPT_CACHE_KEY
+from proxy.prefixes import logged_segments, prefix_label
+from proxy.records import Observation, RecordBuilder, RequestRecord, utc_now_iso
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Mapping
+
+    from proxy.canonical import CanonicalResult
+    from proxy.fleet import Replica
+    from proxy.hosted import AffinityKey
+    from proxy.prefixes import PrefixTracker, PrefixView
+    from proxy.redact import Redactor
+    from proxy.scheduling import Ticket
+    from proxy.state import ProxyState
+
+
+@dataclass(slots=True)
+class Target:
+    """Where an inference request goes: the replica, why it was chosen, how loaded it was."""
+
+    replica: Replica
+    reason: str
+    load: float
+    retried_from: str | None = None
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """The request as canonicalized, before any replica's dialect adjusts it."""
+
+    body: dict[str, Any]
+    raw: bytes
+    changed: bool
+    tenant: str | None
+    model: str | None
+    sent: dict[str, Any] | None = None
+    stripped: tuple[str, ...] = ()
+    """Hosted-only fields removed for the replica's dialect (``proxy.hosted``)."""
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One request's way through the proxy: what goes upstream and what came back.
+
+    The relay reads and writes the first group of fields; the handler's stages fill the second
+    with their results, which ``build_record`` reads.
+    """
+
+    request_id: str
+    route: str
+    upstream_path: str
+    obs: Observation
+    backend_url: str = ""
+    dialect: Dialect = field(default_factory=Dialect)
+    stream: bool = False
+    strip_usage: bool = False
+    status: int = 0
+    error: str | None = None
+    upstream_body: bytes = b""
+    on_first_token: Callable[[Mapping[str, Any]], None] | None = None
+    """Told once, with the event (or whole answer) that carried the backend's first token."""
+    response_headers: dict[str, str] = field(default_factory=dict)
+    """The proxy's own headers on the client's response (set before it starts)."""
+    send_timeout_s: float | None = None
+    """Longest a client may leave a write unaccepted before it is cut off (None: forever)."""
+    # The stages' results (None until the stage ran):
+    ts: str = field(default_factory=utc_now_iso)
+    """When the request arrived."""
+    tenant: str | None = None
+    model: str | None = None
+    """The model the request named, else the chosen replica's."""
+    body: dict[str, Any] | None = None
+    """The parsed request body; once canonicalized, the canonical body."""
+    canonical: CanonicalResult | None = None
+    view: PrefixView | None = None
+    affinity: AffinityKey | None = None
+    target: Target | None = None
+    outgoing: Outgoing | None = None
+    ticket: Ticket | None = None
+    """The scheduler's ticket of the latest attempt (set before the scheduler may wait)."""
+
+
+def build_record(
+    ex: Exchange,
+    *,
+    builder: RecordBuilder,
+    tracker: PrefixTracker,
+    redactor: Redactor,
+    log_prompts: bool,
+) -> RequestRecord:
+    """The request's record, from what every stage handed on in ``ex``."""
+    target, view, canonical, ticket = ex.target, ex.view, ex.canonical, ex.ticket
+    record = builder.build(
+        ex.obs,
+        ts=ex.ts,
+        request_id=ex.request_id,
+        route=ex.upstream_path,
+        model=ex.model,
+        backend=ex.backend_url or None,
+        dialect=ex.dialect.name if target else None,
+        stream=ex.stream,
+        status=ex.status or 500,
+        error=ex.error,
+    )
+    record.tenant = ex.tenant
+    if canonical is not None:
+        record.canonical_rules = list(canonical.fired)
+        record.canonical_dry_run_rules = list(canonical.dry_run_fired) or None
+        record.canonical_stable_bytes = canonical.stable_bytes_gained or None
+    if ex.affinity is not None:
+        record.affinity_key = ex.affinity.hashed
+        record.affinity_source = ex.affinity.source
+    if ex.outgoing is not None and ex.outgoing.stripped:
+        record.hosted_fields_stripped = list(ex.outgoing.stripped)
+    if target is not None:
+        record.route_reason = target.reason
+        record.replica_load = target.load
+        record.retried_from = target.retried_from
+        if view is not None:
+            replica = target.replica.url
+            fp = view.fp
+            record.predicted_cached_tokens = tracker.predicted_tokens(view, replica, record.model)
+            record.prefix_anchor = hex64(fp.anchor)
+            record.prefix_blocks = len(fp.block_hashes)
+            record.prompt_bytes = fp.total_bytes
+            record.prefix_block_bytes = fp.block_bytes
+            record.prefix_matched_blocks = view.matched_for(replica)
+            record.prefix_segments = logged_segments(fp)
+    if log_prompts and ex.body is not None:
+        out = ex.outgoing
+        sent = out.sent if out is not None and out.sent is not None else ex.body
+        if ex.affinity is not None and PROMPT_CACHE_KEY in sent:  # its hash, never the value
+            sent = {**sent, PROMPT_CACHE_KEY: ex.affinity.hashed}
+        record.body = redactor.value(sent)
+    if ticket is not None:
+        if ticket.reason is not None:
+            record.schedule_reason = ticket.reason
+            record.held_ms = round(ticket.held_ms, 3)
+            # Time held is a decision, not overhead: it shows in the TTFT.
+            overhead = record.proxy_overhead_ms - ticket.held_ms
+            record.proxy_overhead_ms = round(max(overhead, 0.0), 3)
+            record.slot = ticket.slot
+        if ticket.predicted_cached is not None:
+            # The replica's cache model knows better than the prefix index what a slot or the
+            # RAM cache holds.
+            record.predicted_cached_tokens = round(ticket.predicted_cached)
+            record.cache_source = ticket.cache_source
+    return record
+
+
+def learn(state: ProxyState, record: RequestRecord, ex: Exchange) -> Awaitable[None] | None:
+    """The record writer's learner: what the proxy learns from a finished request.
+
+    The scheduler's picture and rates at once; the prefix index, the token ratio and the
+    statistics in the background (the returned coroutine).
+    """
+    state.scheduler.learn(record, ex.ticket)
+    target = ex.target
+    if target is None:
+        return None
+    label = None
+    if state.settings.log_prompts and ex.body is not None:
+        label = prefix_label(ex.body, state.redactor.text)
+    return state.tracker.learn(
+        record,
+        ex.view,
+        replica=target.replica.url,
+        capacity_tokens=target.replica.capacity_tokens(state.settings.capacity_tokens),
+        label=label,
+    )
