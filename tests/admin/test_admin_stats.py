@@ -116,9 +116,7 @@ async def test_schema_under_traffic(llama_fake: LlamaFake, make_proxy: MakeProxy
     )
     assert totals["rules"].get("volatile_timestamps") == 3  # the planner's three requests
     assert totals["routes"] == {"single": 10}  # one backend: every request routed "single"
-    assert sum(totals["schedules"].values()) == sum(
-        bool(r.schedule_reason) for r in recs
-    )
+    assert sum(totals["schedules"].values()) == sum(bool(r.schedule_reason) for r in recs)
     for metric in LATENCY_METRICS:
         check_percentiles(totals["latency_ms"][metric], latencies(recs, metric), metric)
 

@@ -9,16 +9,15 @@ import pytest
 
 from proxy.backends import CHAT, BackendInfo, dialect_named
 from proxy.config import BackendSpec, ConfigError, resolve
+from proxy.exchange import Exchange, build_record
 from proxy.fingerprint import fingerprint
 from proxy.fleet import Replica
-from proxy.prefixes import PrefixView
-from proxy.exchange import Exchange, build_record
-from proxy.prefixes import PrefixTracker
+from proxy.prefixes import PrefixTracker, PrefixView
 from proxy.records import Observation, Pricing, RecordBuilder, RequestRecord, Slo
 from proxy.redact import Redactor
 from proxy.scheduling import Scheduler, SchedulingConfig, Ticket, requested_output
-from proxy.store import EmbeddedStore
 from proxy.scheduling.coalesce import InflightPrefixes, wait_for_leader
+from proxy.store import EmbeddedStore
 
 
 def replica(dialect: str, slots: int | None = 4) -> Replica:
