@@ -32,6 +32,7 @@ from analyzers.inputs import input_files, input_stem, is_compressed, open_input,
 from analyzers.tokens import estimate_tokens
 from analyzers.trace import Trace, TraceRequest
 from proxy.fingerprint import DEFAULT_BLOCK_BYTES, fingerprint
+from proxy.records import RECORD_EVENT, record_key
 
 Progress = Callable[[int], None]
 
@@ -46,6 +47,27 @@ DEFAULT_TOKENS_PER_BYTE = 0.25  # ~4 bytes per token when a record does not say
 STABLE_KINDS = frozenset({"model", "tools", "system"})
 _DETECT_LINES = 200
 _NAMESPACE_BITS = 40  # trace block ids are far below 2**40
+
+# The keys of a prefixgate record this reader reads, named through the record's definition
+# (``proxy.records``; its schema is docs/schemas/record-v1.schema.json): a key the record does
+# not have fails at import.
+K_STATUS = record_key("status")
+K_SLO_MET = record_key("slo_met")
+K_PROMPT_TOKENS = record_key("prompt_tokens")
+K_CACHED_TOKENS = record_key("cached_tokens")
+K_PREFIX_ANCHOR = record_key("prefix_anchor")
+K_TS = record_key("ts")
+K_TTFT_MS = record_key("ttft_ms")
+K_TPOT_MS = record_key("tpot_ms")
+K_BACKEND = record_key("backend")
+K_MODEL = record_key("model")
+K_TENANT = record_key("tenant")
+K_CANONICAL_RULES = record_key("canonical_rules")
+K_AFFINITY_KEY = record_key("affinity_key")
+K_BODY = record_key("body")
+K_PREFIX_BLOCK_BYTES = record_key("prefix_block_bytes")
+K_PREFIX_SEGMENTS = record_key("prefix_segments")
+K_ROUTE = record_key("route")
 
 
 def _noop(_: int) -> None:
@@ -122,7 +144,7 @@ def _format_of(obj: dict[str, Any]) -> str:
         return KVCACHE
     if "hash_ids" in obj:
         return MOONCAKE
-    if obj.get("event") == "request":
+    if obj.get("event") == RECORD_EVENT:
         return RECORDS
     if isinstance(obj.get("body"), dict) or "messages" in obj or "prompt" in obj:
         return BODIES
@@ -202,7 +224,7 @@ def _read_json_lines(path: Path, trace: Trace, advance: Progress) -> None:
             obj = _loads(line)
             request = None
             if obj is not None:
-                if obj.get("event") == "request":
+                if obj.get("event") == RECORD_EVENT:
                     request = _from_record(obj, source, trace)
                 elif obj.get("event") is None:
                     request = _from_body_line(obj, source, index, trace)
@@ -250,35 +272,35 @@ def _hex_or_none(value: Any) -> int | None:
 def _from_record(obj: dict[str, Any], source: str, trace: Trace) -> TraceRequest | None:
     """A request record; kept lean, it runs once per log line."""
     get = obj.get
-    status = get("status")
+    status = get(K_STATUS)
     if type(status) is int and status >= 400:
         trace.errors += 1
-        if get("slo_met") is False:
+        if get(K_SLO_MET) is False:
             trace.errors_slo_missed += 1
         return None
-    tokens = _number(get("prompt_tokens"))
-    cached = get("cached_tokens")
-    anchor_hex = get("prefix_anchor")
-    slo_met = get("slo_met")
+    tokens = _number(get(K_PROMPT_TOKENS))
+    cached = get(K_CACHED_TOKENS)
+    anchor_hex = get(K_PREFIX_ANCHOR)
+    slo_met = get(K_SLO_MET)
     request = TraceRequest(
-        ts=parse_ts(get("ts")),
+        ts=parse_ts(get(K_TS)),
         source=source,
         keys=(),
         prompt_tokens=tokens or 0.0,
         anchor=int(anchor_hex, 16) if type(anchor_hex) is str else None,
         cached_tokens=cached if type(cached) is int else None,
-        ttft_ms=_number(get("ttft_ms")),
-        tpot_ms=_number(get("tpot_ms")),
+        ttft_ms=_number(get(K_TTFT_MS)),
+        tpot_ms=_number(get(K_TPOT_MS)),
         slo_met=slo_met if type(slo_met) is bool else None,
-        backend=get("backend"),
-        model=get("model"),
-        tenant=get("tenant"),
-        canonical_rules=get("canonical_rules") or (),
-        affinity_key=_hex_or_none(get("affinity_key")),
+        backend=get(K_BACKEND),
+        model=get(K_MODEL),
+        tenant=get(K_TENANT),
+        canonical_rules=get(K_CANONICAL_RULES) or (),
+        affinity_key=_hex_or_none(get(K_AFFINITY_KEY)),
     )
-    body = get("body")
+    body = get(K_BODY)
     if type(body) is dict:
-        block = get("prefix_block_bytes")
+        block = get(K_PREFIX_BLOCK_BYTES)
         return _fingerprinted(
             request,
             body,
@@ -287,7 +309,7 @@ def _from_record(obj: dict[str, Any], source: str, trace: Trace) -> TraceRequest
             tokens,
             trace,
         )
-    segments: Any = get("prefix_segments")
+    segments: Any = get(K_PREFIX_SEGMENTS)
     try:
         keys, ends, kinds = zip(*segments, strict=False)  # columns, transposed in C
         total = float(ends[-1])
@@ -314,7 +336,7 @@ def _from_record(obj: dict[str, Any], source: str, trace: Trace) -> TraceRequest
 
 def _route_field(obj: dict[str, Any], body: dict[str, Any]) -> str:
     """The route a body was sent to: as logged, else judged from the body."""
-    route = obj.get("route")
+    route = obj.get(K_ROUTE)
     if isinstance(route, str):
         return route
     return "/v1/chat/completions" if "messages" in body else "/v1/completions"

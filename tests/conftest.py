@@ -69,8 +69,10 @@ async def make_proxy() -> AsyncIterator[MakeProxy]:
     """Factory: the proxy in front of ``backend_url`` with ``Settings`` overrides.
 
     The client it returns speaks to the traffic listener; ``client.admin`` to the admin one.
+    Every record the proxies write must match the published record schema.
     """
     opened: list[ProxyClient] = []
+    logs: list[RecordLog] = []
 
     async def make(
         backend_url: str, **overrides: Any
@@ -78,6 +80,7 @@ async def make_proxy() -> AsyncIterator[MakeProxy]:
         settings = resolve({"backend": [backend_url]}, environ={})
         settings = dataclasses.replace(settings, **overrides)
         records = RecordLog()
+        logs.append(records)
         writer = RecordWriter(logger=get_logger("prefixgate.records"))
         writer.add_sink(records.append)
         app = build_app(settings, writer=writer)
@@ -89,6 +92,10 @@ async def make_proxy() -> AsyncIterator[MakeProxy]:
     yield make
     for client in reversed(opened):
         await client.close()
+    problems = [p for records in logs for p in records.schema_problems]
+    assert not problems, "records outside docs/schemas/record-v1.schema.json:\n" + "\n".join(
+        problems[:20]
+    )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

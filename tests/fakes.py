@@ -49,6 +49,7 @@ from tests.fake_apis import (
     responses_to_chat,
     responses_usage,
 )
+from tests.record_check import as_logged, violations
 
 MODEL = "fake-model"
 DONE = b"data: [DONE]\n\n"
@@ -56,13 +57,20 @@ PING = b":\n\n"
 
 
 class RecordLog(list[RequestRecord]):
-    """The records a proxy wrote, in order (its ``RecordWriter`` sink appends here)."""
+    """The records a proxy wrote, in order (its ``RecordWriter`` sink appends here).
+
+    Each one is checked against the published record schema on the way in; ``schema_problems``
+    lists the violations (the ``make_proxy`` fixture fails the test when there are any).
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self._grew = asyncio.Event()
+        self.schema_problems: list[str] = []
 
     def append(self, record: RequestRecord) -> None:
+        problems = violations(as_logged(record))
+        self.schema_problems += [f"record {record.request_id}: {p}" for p in problems]
         super().append(record)
         self._grew.set()
 
