@@ -1,12 +1,16 @@
 """The per-request record: one object, one canonical JSON log line per request.
 
 `RequestRecord` is the schema shared by the proxy (which writes it) and the analyzers (which read
-it). Field names are a public contract: later features add fields, none is renamed.
+it): every key of the line is a typed, described attribute, and the published JSON Schema
+(``docs/schemas/record-v1.schema.json``, ``proxy.record_schema``) is generated from it. Field names
+are a public contract: later features add fields, none is renamed.
 
 `RecordBuilder` turns what the relay observed (timestamps, usage, backend timings) into the
-derived figures: TTFT, time to first visible token, TPOT, savings and whether the SLO was met.
-`RecordWriter` fans a finished record out to its sinks (the structlog line, metrics, stats, the
-prefix index) after the response has ended, so none of that sits on the client's critical path.
+derived figures: TTFT, time to first visible token, TPOT, savings and whether the SLO was met;
+``proxy.exchange.build_record`` adds what the other stages handed on. `RecordWriter` fans a
+finished record out to the structlog line, its sinks (metrics) and its learners (the scheduler,
+the prefix index, the statistics) after the response has ended, so none of that sits on the
+client's critical path.
 """
 
 from __future__ import annotations
