@@ -156,3 +156,31 @@ async def test_writer_sinks_sync_async_and_failing() -> None:
     await writer.drain()
     assert seen == ["sync:r1", "async:r1"]
     assert not writer.pending
+
+
+async def test_writer_learners_get_the_stages_after_the_sinks() -> None:
+    """Learners get record and stages, after every sink; without stages they are not called."""
+    writer: RecordWriter[str] = RecordWriter(logger=structlog.get_logger("t"))
+    seen: list[str] = []
+
+    def broken(rec: RequestRecord, stages: str) -> None:
+        raise RuntimeError("learner down")
+
+    async def learn(rec: RequestRecord, stages: str) -> None:
+        seen.append(f"learned:{rec.request_id}:{stages}")
+
+    writer.add_learner(broken)
+    writer.add_learner(learn)
+    writer.add_sink(lambda rec: seen.append("sink:" + rec.request_id))
+
+    def record(request_id: str) -> RequestRecord:
+        return RequestRecord(
+            ts="t", request_id=request_id, route="/x", model=None, backend=None, stream=False,
+            status=200,
+        )  # fmt: skip
+
+    writer.emit(record("r1"), "exchange-1")
+    writer.emit(record("r2"))
+    await writer.drain()
+    assert seen == ["sink:r1", "sink:r2", "learned:r1:exchange-1"]
+    assert not writer.pending
