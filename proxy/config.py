@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from proxy.backends import DIALECT_NAMES
 from proxy.hosted import DEFAULT_SESSION_HEADERS, DEFAULT_STRIP_DIALECTS, HostedFields
 from proxy.records import Pricing, Slo
 from proxy.routing import POLICIES, RoutingConfig
@@ -24,7 +25,7 @@ from proxy.scheduling.config import SLOT_MODES, SchedulingConfig
 
 ENV_PREFIX = "PREFIXGATE_"
 PASSTHROUGH_MODES = ("all", "read-only", "off")
-DIALECTS = ("auto", "llamacpp", "vllm", "openai")
+DIALECTS = ("auto", *DIALECT_NAMES)
 
 
 class ConfigError(Exception):
@@ -220,7 +221,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "dialect",
         str,
-        "backend dialect: auto (detect from /props or /version), llamacpp, vllm, openai",
+        "backend dialect: auto (ask the server who it is), " + ", ".join(DIALECT_NAMES),
         "auto",
     ),
     Option("backend_api_key", str, "API key the proxy sends to the backend (kept server-side)"),

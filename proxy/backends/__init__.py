@@ -1,4 +1,9 @@
-"""Backend dialects: every server-specific fact lives in this package and nowhere else."""
+"""Backend dialects: every server-specific fact lives in this package and nowhere else.
+
+A ``Dialect`` reads and prepares bodies for its server and carries its ``Capabilities`` (health
+path, sleep state, load sources, slots and their ``SlotApi``, a shared prefix cache); the rest of
+the proxy asks those and never names a server. ``DIALECT_NAMES`` are what ``--dialect`` takes.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from proxy.backends.base import (
     INFERENCE_ROUTES,
     NATIVE_COMPLETION,
     BackendInfo,
+    Capabilities,
     Dialect,
     EventKind,
 )
@@ -23,6 +29,8 @@ from proxy.backends.llamacpp import (
     probe_json,
     refused_by_llamacpp,
 )
+from proxy.backends.load import BackendLoad, LoadSource
+from proxy.backends.slot_api import SlotApi, SlotEndpoint
 from proxy.backends.vllm import VllmDialect
 
 DIALECTS: Mapping[str, type[Dialect]] = {
@@ -30,6 +38,9 @@ DIALECTS: Mapping[str, type[Dialect]] = {
     "vllm": VllmDialect,
     "openai": Dialect,
 }
+
+DIALECT_NAMES = tuple(DIALECTS)
+"""The dialects a server can be forced to (``--dialect``); ``auto`` detects one instead."""
 
 STRICT_DIALECTS = tuple(name for name, d in DIALECTS.items() if not d.ignores_unknown_fields)
 """Dialects that may reject fields they do not know: they lose hosted-only fields by default."""
@@ -78,15 +89,21 @@ __all__ = [
     "CHAT",
     "COMPLETIONS",
     "DIALECTS",
+    "DIALECT_NAMES",
     "INFERENCE_ROUTES",
     "MESSAGES",
     "NATIVE_COMPLETION",
     "RESPONSES",
     "STRICT_DIALECTS",
     "BackendInfo",
+    "BackendLoad",
+    "Capabilities",
     "Dialect",
     "EventKind",
     "LlamaCppDialect",
+    "LoadSource",
+    "SlotApi",
+    "SlotEndpoint",
     "VllmDialect",
     "detect_dialect",
     "dialect_named",

@@ -11,19 +11,38 @@ from proxy.backends.apis import MESSAGES
 from proxy.backends.base import (
     NATIVE_COMPLETION,
     BackendInfo,
+    Capabilities,
     Dialect,
     EventKind,
     _float,
     _int,
     _nonempty,
 )
+from proxy.backends.load import LoadSource
+from proxy.backends.slot_api import SlotApi
 from proxy.records import Observation
+
+CAPABILITIES = Capabilities(
+    health_path="/health",
+    # /health, /props and (answered from a cache while asleep) /metrics leave a server started
+    # with --sleep-idle-seconds asleep; /slots wakes it and restarts its idle timer.
+    sleep_state_path="/props",
+    load_sources=(
+        # /slots first (on by default): a /metrics scrape (needs --metrics) resets the windowed
+        # throughput gauges (llamacpp:prompt_tokens_seconds...) an operator's own scrape reads.
+        LoadSource("/slots"),
+        LoadSource("/metrics", "llamacpp:requests_processing", "llamacpp:requests_deferred"),
+    ),
+    slots=SlotApi(field="id_slot"),
+    shared_prefix_cache=False,  # one prompt cache per slot, plus the RAM prompt cache
+)
 
 
 class LlamaCppDialect(Dialect):
     """llama-server. Cached tokens are always reported (``timings.cache_n``, also in usage)."""
 
     name = "llamacpp"
+    capabilities = CAPABILITIES
     ignores_unknown_fields = True  # it reads the fields it knows from the JSON and no others
 
     def read_timings(self, obj: Mapping[str, Any], obs: Observation) -> None:
@@ -70,6 +89,9 @@ class LlamaCppDialect(Dialect):
         kind = super().classify_event(route, obj, obs)
         self.read_timings(obj, obs)
         return kind
+
+    def is_sleeping(self, state: Any) -> bool:
+        return is_sleeping(state)
 
     def carries_slot(self, route: str) -> bool:
         # The Messages route rebuilds the request from a fixed list of fields: no ``id_slot``.
