@@ -62,9 +62,11 @@ test-fast: venv
 test-real: deps-real
 	$(PY) -m pytest -p no:cacheprovider -m real -s
 
-# The option reference, generated from the option declarations (a test fails when it is stale).
+# The option reference and the backend capabilities, generated from their declarations (a test
+# fails when either is stale).
 options-doc: venv
 	$(PY) -c "from proxy.config import options_markdown; print(options_markdown(), end='')" > docs/options.md
+	$(PY) -c "from proxy.backends import capabilities_markdown as c; print(c(), end='')" > docs/backends.md
 
 lint: venv
 	$(VENV)/bin/ruff check proxy analyzers tests bench

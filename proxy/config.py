@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.backends import DIALECT_NAMES
+from proxy.fingerprint import DEFAULT_BLOCK_BYTES
 from proxy.hosted import HostedFields
 from proxy.log import LOG_LEVELS
 from proxy.options import (
@@ -44,6 +45,9 @@ from proxy.records import Pricing, Slo
 from proxy.redact import Redactor
 from proxy.routing import RoutingConfig
 from proxy.scheduling.config import SchedulingConfig
+from proxy.store import StoreOptions
+
+_STORE = StoreOptions()  # the store's own defaults are the options' (declared there once)
 
 PASSTHROUGH_MODES = ("all", "read-only", "off")
 DIALECTS = ("auto", *DIALECT_NAMES)
@@ -84,7 +88,7 @@ class Timeouts:
         metavar="S",
     )
     store: float = option(
-        0.005,
+        _STORE.timeouts.lookup_s,
         "seconds the request path waits for the shared store before serving without it",
         cast=float,
         metavar="S",
@@ -272,7 +276,7 @@ class Settings:
         },
     )
     block_bytes: int = option(
-        256, "prefix block size in bytes for fingerprints", cast=int, metavar="N"
+        DEFAULT_BLOCK_BYTES, "prefix block size in bytes for fingerprints", cast=int, metavar="N"
     )
     capacity_tokens: int | None = option(
         None,
@@ -282,11 +286,14 @@ class Settings:
         metavar="N",
     )
     stats_retention_s: int = option(
-        7 * 24 * 3600, "how long statistics are kept, seconds", cast=int, metavar="S"
+        int(_STORE.stats_retention_s),
+        "how long statistics are kept, seconds",
+        cast=int,
+        metavar="S",
     )
     routing: RoutingConfig = group(RoutingConfig, label="routing")
     traffic_window_s: float = option(
-        120.0,
+        _STORE.traffic_window_s,
         "prefix-affinity: bucket length of the recent-traffic counts, seconds (a read covers "
         "one to two buckets)",
         cast=float,

@@ -50,6 +50,50 @@ def dialect_named(name: str) -> Dialect:
     return DIALECTS[name]()
 
 
+CAPABILITIES_INTRO = """# Backend capabilities
+
+<!-- Generated from the dialects (proxy/backends/): do not edit by hand; run
+     `make options-doc`. -->
+
+Every server-specific fact lives in `proxy/backends/`. Besides reading and preparing bodies,
+each dialect states its `Capabilities`, and the rest of the proxy asks those instead of naming
+a server: the fleet checks health at the *health check* path and, where the server says whether
+it sleeps without waking (*sleep state*), leaves a sleeping or quiet replica alone; the load
+reader tries the *own load* sources in order; the scheduler pins requests to slots only on a
+server with *slots* (through their API: the body field and the slot endpoints,
+`proxy/backends/slot_api.py`), and holds a request for another one's prefill only on a server
+whose *prefix cache is shared* by every request.
+
+"""
+
+
+def capabilities_markdown() -> str:
+    """The dialects' capabilities as Markdown (``docs/backends.md``)."""
+
+    def code(text: str | None) -> str:
+        return f"`{text}`" if text else "—"
+
+    lines = [
+        CAPABILITIES_INTRO.rstrip("\n"),
+        "",
+        "| Dialect | Health check | Sleep state | Own load (in order) | Slots "
+        "| Shared prefix cache |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, dialect in DIALECTS.items():
+        caps = dialect.capabilities
+        loads = ", ".join(
+            f"`{src.path}`" + (f" (`{src.running}` + `{src.waiting}`)" if src.running else "")
+            for src in caps.load_sources
+        )
+        slots = f"pinned with `{caps.slots.field}`" if caps.slots is not None else "—"
+        lines.append(
+            f"| `{name}` | {code(caps.health_path)} | {code(caps.sleep_state_path)} | "
+            f"{loads or '—'} | {slots} | {'yes' if caps.shared_prefix_cache else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 async def detect_dialect(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -105,6 +149,7 @@ __all__ = [
     "SlotApi",
     "SlotEndpoint",
     "VllmDialect",
+    "capabilities_markdown",
     "detect_dialect",
     "dialect_named",
     "is_sleeping",

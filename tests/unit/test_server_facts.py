@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.backends import DIALECTS, Capabilities, dialect_named
+from proxy.backends import DIALECTS, Capabilities, capabilities_markdown, dialect_named
 
 PROXY = Path(__file__).resolve().parents[2] / "proxy"
 SERVER_NAME = re.compile(r"llama|vllm", re.IGNORECASE)
@@ -103,3 +103,9 @@ def test_slot_api_pins_and_reads_the_slot_field() -> None:
     assert api.client_slot({api.field: -1}) is None
     assert api.client_slot({api.field: True}) is None
     assert dialect_named("vllm").capabilities.slots is None
+
+
+def test_docs_backends_is_up_to_date() -> None:
+    """docs/backends.md is generated from the dialects; run `make options-doc` after a change."""
+    path = PROXY.parent / "docs" / "backends.md"
+    assert path.read_text() == capabilities_markdown(), "docs/backends.md is stale"
