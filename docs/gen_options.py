@@ -61,6 +61,11 @@ def _flag(opt: Option) -> str:
     if opt.is_flag:
         return f"`{opt.cli}` / `--no-{opt.cli[2:]}`"
     metavar = opt.metavar or opt.name.upper()
+    if "|" in metavar:
+        # Alternatives, one code span each: GitHub splits a table row on every pipe, code or not,
+        # and Python-Markdown keeps the backslash of an escaped one inside code.
+        first, *rest = metavar.split("|")
+        return ", ".join([f"`{opt.cli} {first}`", *(f"`{alt}`" for alt in rest)])
     return f"`{opt.cli} {metavar}`"
 
 

@@ -126,6 +126,14 @@ def test_relative_links_resolve(page: Path) -> None:
     assert _problems(page) == []
 
 
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_escaped_pipe_in_table_code(page: Path) -> None:
+    """No table cell holds `a\\|b` in code: GitHub shows a pipe, the built site a backslash too."""
+    rows = [ln for ln in _prose_lines(page.read_text(), keep_code=True) if ln.startswith("|")]
+    bad = [ln for ln in rows for span in _CODE_SPAN.finditer(ln) if "\\|" in span.group(0)]
+    assert bad == []
+
+
 def test_every_docs_page_is_linked_from_the_readme_or_the_nav() -> None:
     """No page of docs/ is an orphan: the site's nav names every one of them."""
     nav = (ROOT / "mkdocs.yml").read_text()
