@@ -34,9 +34,9 @@ table; precedence is flags, then environment, then the TOML file (`--config FILE
 `{ENV_PREFIX}CONFIG`), then the default. A repeatable option takes a list in TOML and, in its
 environment variable, comma-separated values (one per line where noted). An on/off switch
 takes `--name` / `--no-name` as a flag and `true`/`false`, `on`/`off`, `1`/`0` elsewhere.
-`prefixgate serve --help` prints the same list. [Configuration](configuration.md) explains the
-common settings, and the canonicalizer's own `[canonical]` TOML table is described in
-[the canonicalizer](canonicalizer.md).
+The TOML file may also call `backend` `backends`. `prefixgate serve --help` prints the same
+list. [Configuration](configuration.md) explains the common settings, and the canonicalizer's
+own `[canonical]` TOML table is described in [the canonicalizer](canonicalizer.md).
 
 | flag | environment | TOML key | default | meaning |
 |---|---|---|---|---|
