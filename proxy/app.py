@@ -11,6 +11,7 @@ in one ``cleanup_ctx`` context manager; handlers reach them through the typed ``
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 import uuid
@@ -34,6 +35,7 @@ from proxy.redact import Redactor
 from proxy.scheduling import Scheduler
 from proxy.state import REQUEST_ID, STATE, T_START, ProxyState
 from proxy.store import StoreOptions, StoreTimeouts, open_store
+from proxy.tracing import RecordTracer
 from proxy.upstream import upstream_session
 
 log = get_logger()
@@ -131,6 +133,7 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
                 timeouts=StoreTimeouts(lookup_s=t.store),
             ),
         )
+        tracer = RecordTracer.from_env()
         try:  # from here on, a start step that fails still closes the session and the store
             fleet = Fleet.from_settings(settings)
             tracker = PrefixTracker(
@@ -158,6 +161,8 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
                 # Off every request's deadline: the first prefixes learned are not lost to a
                 # cold connection (bounded; a Redis that is down only leaves the store degraded).
                 await store.warm()
+                if tracer is not None:
+                    record_writer.add_sink(tracer.observe)
                 await fleet.start(session)
                 state.scheduler.start(
                     session, fleet.replicas, backend_api_key=settings.backend_api_key
@@ -172,6 +177,8 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
                 await state.scheduler.aclose()
                 await fleet.aclose()
                 await record_writer.drain()
+                if tracer is not None:  # flushes what is queued; blocking, so in a thread
+                    await asyncio.to_thread(tracer.shutdown)
         finally:
             await session.close()
             await store.aclose()

@@ -209,49 +209,47 @@ def groups(settings_cls: type) -> dict[str, tuple[type, str]]:
 # -- the reference ------------------------------------------------------------------------------
 
 
-def _shown(value: Any) -> str:
-    if value is None or value == ():
-        return ""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, tuple | list):
-        return ", ".join(str(v) for v in value)
-    return str(value)
-
-
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def options_markdown(options: Sequence[Option], *, title: str = "Options") -> str:
-    """The option reference as Markdown: one row per option, with flag, variable, key, default."""
-    lines = [
-        f"# {title}",
-        "",
-        "<!-- Generated from the option declarations (proxy/options.py, proxy/config.py and the",
-        "     value objects they name): do not edit by hand; run `make options-doc`. -->",
-        "",
-        "Every option can be given as a command-line flag, a `PREFIXGATE_*` environment",
-        "variable or a key of the TOML file (`--config FILE`, `PREFIXGATE_CONFIG`; top level or",
-        "under `[proxy]`); a flag beats the environment, the environment beats the file, the",
-        "file beats the default. A repeated option takes several flags or a TOML array; its",
-        "environment variable separates values with commas (or newlines, where noted). A",
-        "switch takes `--name` / `--no-name`, and `true`/`false`, `on`/`off` elsewhere.",
-        "",
-        "| Flag | Environment | TOML key | Default | Description |",
-        "| --- | --- | --- | --- | --- |",
+def _default(opt: Option) -> str:
+    value: Any = opt.default
+    if value is None or value == ():
+        return "—"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple | list):
+        return ", ".join(f"`{v}`" for v in value)
+    return f"`{value}`"
+
+
+def _flag(opt: Option) -> str:
+    if opt.is_flag:
+        return f"`{opt.cli}` / `--no-{opt.cli[2:]}`"
+    metavar = opt.metavar or opt.name.upper()  # the placeholder argparse shows
+    if "|" in metavar:
+        # Alternatives, one code span each: GitHub splits a table row on every pipe, code or not,
+        # and Python-Markdown keeps the backslash of an escaped one inside code.
+        first, *rest = metavar.split("|")
+        return ", ".join([f"`{opt.cli} {first}`", *(f"`{alt}`" for alt in rest)])
+    return f"`{opt.cli} {metavar}`"
+
+
+def _meaning(opt: Option) -> str:
+    text = opt.help
+    if opt.choices:
+        text += f" (one of: {', '.join(opt.choices)})"
+    if opt.repeat:
+        text += "; repeatable" + ("" if opt.sep == "," else " (environment: one per line)")
+    return _cell(text)
+
+
+def options_markdown(options: Sequence[Option], *, header: str) -> str:
+    """The option reference as Markdown: ``header`` (ending with the table's first rows), then
+    one row per option with its flag, variable, TOML key, default and meaning."""
+    rows = [
+        f"| {_cell(_flag(o))} | `{o.env}` | `{o.name}` | {_cell(_default(o))} | {_meaning(o)} |"
+        for o in options
     ]
-    for opt in options:
-        if opt.is_flag:
-            flag = f"`{opt.cli}` / `--no-{opt.cli[2:]}`"
-        else:  # the placeholder argparse shows
-            flag = f"`{opt.cli} {opt.metavar or opt.name.upper()}`"
-        help_text = opt.help
-        if opt.choices:
-            help_text += f" (one of: {', '.join(opt.choices)})"
-        default = _shown(opt.default)
-        lines.append(
-            f"| {_cell(flag)} | `{opt.env}` | `{opt.name}` | "
-            f"{_cell(f'`{default}`' if default else '—')} | {_cell(help_text)} |"
-        )
-    return "\n".join(lines) + "\n"
+    return header + "\n".join(rows) + "\n"

@@ -183,6 +183,20 @@ def _ms(a: float | None, b: float | None) -> float | None:
     return round((b - a) * 1000.0, 3)
 
 
+def _waited_ms(
+    stream: bool, source: TimingSource, ttft: float | None, ttfvt: float | None
+) -> float | None:
+    """What the SLO's first-token objective is judged on: the time until the user saw something.
+
+    On a stream timed at the proxy that is the first *visible* token (content or a tool call;
+    a reasoning model's thinking is not shown), and a stream that showed nothing has none. A
+    non-streamed response arrives whole: its derived TTFT.
+    """
+    if stream and source == "observed":
+        return ttfvt
+    return ttft
+
+
 def derive_latencies(
     obs: Observation, *, stream: bool
 ) -> tuple[float | None, float | None, float | None, TimingSource]:
@@ -334,7 +348,9 @@ class RecordBuilder:
             proxy_overhead_ms=round(overhead * 1000.0, 3),
             saved_prefill_ms=saved_ms,
             saved_usd=self.pricing.saved_usd(cached),
-            slo_met=self.slo.met(status if error is None else 599, ttft, tpot),
+            slo_met=self.slo.met(
+                status if error is None else 599, _waited_ms(stream, source, ttft, ttfvt), tpot
+            ),
             dialect=dialect,
             timing_source=source,
             reasoning_tokens=obs.reasoning_tokens,

@@ -91,6 +91,8 @@ class Dialect:
     """An OpenAI-compatible server: usage in ``usage``, cached tokens when it reports them."""
 
     name = "openai"
+    provider_name = "openai"
+    """The server's name in OpenTelemetry's GenAI conventions (``gen_ai.provider.name``)."""
     capabilities = Capabilities()
     ignores_unknown_fields = False
     """Whether the server ignores body fields it does not know. A generic OpenAI-compatible

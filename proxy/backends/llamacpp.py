@@ -42,6 +42,7 @@ class LlamaCppDialect(Dialect):
     """llama-server. Cached tokens are always reported (``timings.cache_n``, also in usage)."""
 
     name = "llamacpp"
+    provider_name = "llama.cpp"
     capabilities = CAPABILITIES
     ignores_unknown_fields = True  # it reads the fields it knows from the JSON and no others
 

@@ -47,6 +47,7 @@ class VllmDialect(Dialect):
     """vLLM (V1 engine)."""
 
     name = "vllm"
+    provider_name = "vllm"
     capabilities = CAPABILITIES
     # Its request models allow extra fields ("fields were present in the request but ignored",
     # logged at debug), so hosted-only fields pass harmlessly.

@@ -106,6 +106,6 @@ def test_slot_api_pins_and_reads_the_slot_field() -> None:
 
 
 def test_docs_backends_is_up_to_date() -> None:
-    """docs/backends.md is generated from the dialects; run `make options-doc` after a change."""
+    """docs/backends.md is generated from the dialects; run `make docs` after a change."""
     path = PROXY.parent / "docs" / "backends.md"
     assert path.read_text() == capabilities_markdown(), "docs/backends.md is stale"
