@@ -214,6 +214,9 @@ async def inference(request: web.Request) -> web.StreamResponse:
             record.extra["hosted_fields_stripped"] = list(out.stripped)
         if target is not None:
             record.extra["route_reason"] = target.reason
+            info = target.replica.info
+            if info is not None and info.template_clock is not None:
+                record.extra["template_clock"] = info.template_clock.kind
             record.extra["replica_load"] = target.load
             if target.retried_from is not None:
                 record.extra["retried_from"] = target.retried_from
