@@ -13,6 +13,7 @@ from fakes import LlamaFake, MakeProxy, serve
 
 from analyzers.analysis import analyze
 from proxy.backends.template_clock import calls_clock, first_difference, probe_template_clock
+from tests.admin.stats_schema import assert_valid
 
 CLOCK_TEMPLATE = "{{ strftime_now('%H:%M:%S') }}{% for m in messages %}{{ m.content }}{% endfor %}"
 
@@ -78,6 +79,7 @@ async def test_stats_records_and_the_analyzer_say_so(
     async with client.admin.get("/stats") as resp:
         stats = await resp.json()
     assert stats["backends"][fake.url]["template_clock"]["kind"] == "time"
+    assert_valid(stats)
     record = await records.wait()
     assert record.extra["template_clock"] == "time"
     log = tmp_path / "records.jsonl"
