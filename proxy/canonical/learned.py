@@ -46,6 +46,7 @@ RewriteRule = Callable[[str, dict[str, Any], RuleConfig], RuleOutcome]
 PartLister = Callable[[str, dict[str, Any], RuleConfig], Iterator[Path]]
 
 FIRST_SEEN = "first_seen_form"
+_TOOL_KEYS = ("tools", "functions")
 _TEXT = b"s"
 _JSON = b"j"
 
@@ -179,7 +180,10 @@ def learned_rule(
     ``whitespace`` rule's normal form of the descriptions into its tools' identity).
     """
     normal = fixed(kind, body, rule)
-    normal_body = normal.body if also is None else also[0](kind, normal.body, also[1]).body
+    normal_body = normal.body
+    tools = {k: normal_body[k] for k in _TOOL_KEYS if isinstance(normal_body.get(k), list)}
+    if also is not None and tools:  # only the tool lists: the rest of the body is not needed
+        normal_body = {**normal_body, **also[0](kind, tools, also[1]).body}
     draft = Draft(body)
     counts: dict[str, int] = {}
     for path in parts(kind, body, rule):
