@@ -56,6 +56,15 @@ class FormView:
         """The form known for ``key`` (a rule-prefixed identity digest), or None."""
         return self._memory.local(self.namespace, key)
 
+    def is_form(self, rule: str, text: str | bytes) -> bool:
+        """Whether ``text`` is already known as a form of ``rule``: the fast path of a stable
+        application (a string's hash is cached on it, so this costs one dict lookup)."""
+        return self._memory.known_text(self.namespace, rule, text)
+
+    def mark_form(self, rule: str, text: str | bytes) -> None:
+        """Remember that ``text`` is a form of ``rule``."""
+        self._memory.mark_text(self.namespace, rule, text)
+
     def learn(self, key: str, value: bytes) -> None:
         """``value`` is the first form of ``key`` this proxy sees: keep it, to be settled."""
         self._memory.keep(self.namespace, key, value)
@@ -76,6 +85,9 @@ class FormMemory:
         self._max_bytes = max_bytes
         self.ttl_s = ttl_s
         self._local: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        # Texts known to be forms, for the fast path; bounded by count like the forms (a text
+        # evicted here only costs the slow path once).
+        self._texts: OrderedDict[tuple[str, str, str | bytes], None] = OrderedDict()
         self._bytes = 0
         self._store: PrefixStore | None = None
         self._writes: set[asyncio.Task[None]] = set()
@@ -100,6 +112,18 @@ class FormMemory:
         if value is not None:
             self._local.move_to_end(slot)
         return value
+
+    def known_text(self, namespace: str, rule: str, text: str | bytes) -> bool:
+        """Whether ``text`` was marked as a form of ``rule`` in ``namespace``."""
+        return (namespace, rule, text) in self._texts
+
+    def mark_text(self, namespace: str, rule: str, text: str | bytes) -> None:
+        """Mark ``text`` as a form (the least recently marked go beyond the entry bound)."""
+        if len(text) > 65_536:  # long texts take the slow path: no second copy of them here
+            return
+        self._texts[(namespace, rule, text)] = None
+        if len(self._texts) > self._entries:
+            self._texts.popitem(last=False)
 
     def keep(self, namespace: str, key: str, value: bytes) -> None:
         """Hold ``value`` as the form of ``key``; the least recently used go beyond the bounds."""
@@ -138,6 +162,7 @@ class FormMemory:
                 missing[key] = learned[key]
             elif theirs != learned[key]:
                 self.keep(namespace, key, theirs)
+                self._texts.clear()  # a text marked as a form may no longer be the form
                 self.adopted += 1
                 again = True
         if missing:

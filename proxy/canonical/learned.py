@@ -179,20 +179,33 @@ def learned_rule(
     with other line ends in a description is still the same set (``stable_json`` takes the
     ``whitespace`` rule's normal form of the descriptions into its tools' identity).
     """
-    normal = fixed(kind, body, rule)
-    normal_body = normal.body
-    tools = {k: normal_body[k] for k in _TOOL_KEYS if isinstance(normal_body.get(k), list)}
-    if also is not None and tools:  # only the tool lists: the rest of the body is not needed
-        normal_body = {**normal_body, **also[0](kind, tools, also[1]).body}
+    normal: RuleOutcome | None = None  # the fixed rule runs only if some part needs it
+    normal_body: dict[str, Any] = body
     draft = Draft(body)
     counts: dict[str, int] = {}
     for path in parts(kind, body, rule):
+        # A text part of a content list normalises differently from a whole string.
+        mark = f"{name}.part" if path[-1] == "text" or type(path[-1]) is int else name
         try:
             seen = _at(body, path)
+        except (KeyError, IndexError, TypeError):
+            continue
+        seen_key: str | bytes | None = seen if type(seen) is str else _encode(seen)
+        if seen_key is None:
+            continue
+        if view.is_form(mark, seen_key):
+            continue  # already in its form: the common case, one dict lookup
+        if normal is None:
+            normal = fixed(kind, body, rule)
+            normal_body = normal.body
+            tools = {k: normal_body[k] for k in _TOOL_KEYS if isinstance(normal_body.get(k), list)}
+            if also is not None and tools:  # only the tool lists: the rest is not needed
+                normal_body = {**normal_body, **also[0](kind, tools, also[1]).body}
+        try:
             ident = _at(normal_body, path)
         except (KeyError, IndexError, TypeError):  # the fixed rule reshaped it: leave it
             continue
-        seen_b = _encode(seen)
+        seen_b = seen_key if isinstance(seen_key, bytes) else _encode(seen)
         ident_b = seen_b if ident is seen else _encode(ident)
         if seen_b is None or ident_b is None:
             continue
@@ -200,9 +213,12 @@ def learned_rule(
         form = view.form(key)
         if form is None:
             view.learn(key, seen_b)
-        elif form != seen_b:
+            view.mark_form(mark, seen_key)
+        elif form == seen_b:
+            view.mark_form(mark, seen_key)
+        else:
             draft.set(path, _decode(form))
             where = _pattern(path)
             counts[where] = counts.get(where, 0) + 1
     changes = tuple(Change(name, where, FIRST_SEEN, n) for where, n in counts.items())
-    return RuleOutcome(draft.body, changes, normal.skipped)
+    return RuleOutcome(draft.body, changes, () if normal is None else normal.skipped)
