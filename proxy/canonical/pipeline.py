@@ -8,6 +8,11 @@
    ``custom_patterns``): each a set of detectors over the stable segments; their values go
    through one relocation, so the model sees one note however many rules found something.
 
+Learned forms. With a ``FormMemory`` (the proxy always has one) ``stable_json`` and
+``whitespace`` rewrite a part only to the form first seen for it (``proxy.canonical.learned``):
+the first request of a set, and an application that is already stable, pass untouched.
+``canonicalize`` (async) also consults the store for forms other proxies learned.
+
 Modes. A rule that is off does nothing. A rule in dry-run computes what it would change and
 reports it (``dry_run_fired``, ``changes``, ``stable_bytes_gained``) but the next rule starts
 from the body it was given. Global dry-run runs every rule as if it applied, so the report is
