@@ -245,6 +245,9 @@ def summarize(pairs: Sequence[Pair]) -> dict[str, Any]:
         },
         "mean_ttft_ms": {
             "original": mean([p.original.ttft_ms for p in pairs if p.original.ttft_ms]),
+            "original_warm": mean(
+                [p.repeat.ttft_ms for p in pairs if p.repeat and p.repeat.ttft_ms]
+            ),
             "canonical": mean([p.canonical.ttft_ms for p in pairs if p.canonical.ttft_ms]),
         },
         "differing": [
@@ -326,8 +329,10 @@ def run_quality(args: argparse.Namespace) -> int:
     print(f"verdict                  {report['verdict']}")
     pt, tt = report["prompt_tokens"], report["mean_ttft_ms"]
     print(f"prompt tokens            original {pt['original']}, canonical {pt['canonical']}")
+    warm = f" (cold; warm {_ms(tt['original_warm'])})" if tt["original_warm"] is not None else ""
     print(
-        f"mean TTFT                original {_ms(tt['original'])}, canonical {_ms(tt['canonical'])}"
+        f"mean TTFT                original {_ms(tt['original'])}{warm}, "
+        f"canonical {_ms(tt['canonical'])}"
     )
     for d in report["differing"][:10]:
         print(
