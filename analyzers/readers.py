@@ -276,6 +276,9 @@ def _from_record(obj: dict[str, Any], source: str, trace: Trace) -> TraceRequest
         canonical_rules=get("canonical_rules") or (),
         affinity_key=_hex_or_none(get("affinity_key")),
     )
+    clock = get("template_clock")
+    if type(clock) is str:
+        trace.template_clocks[request.backend or "backend"] = clock
     body = get("body")
     if type(body) is dict:
         block = get("prefix_block_bytes")

@@ -25,6 +25,7 @@ from proxy import handlers
 from proxy.admin import ADMIN_APP, ADMIN_PATHS, build_admin_app
 from proxy.auth import KeysFileError, auth_middleware, load_keys, refuse_ambiguous_paths
 from proxy.canonical import Canonicalizer, config_from_mapping
+from proxy.canonical.forms import FormMemory
 from proxy.config import ConfigError, Settings
 from proxy.errors import ProxyError, error_response
 from proxy.fleet import Fleet
@@ -86,7 +87,8 @@ def build_canonicalizer(settings: Settings) -> Canonicalizer:
             config,
             enabled=config.enabled and settings.canonicalize,
             dry_run=config.dry_run or settings.canonical_dry_run,
-        )
+        ),
+        forms=FormMemory(),
     )
 
 
@@ -157,6 +159,8 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
                 ),
             )
             app[STATE] = state
+            if canonicalizer.forms is not None:  # learned forms are shared through the store
+                canonicalizer.forms.bind(store)
             try:
                 # Off every request's deadline: the first prefixes learned are not lost to a
                 # cold connection (bounded; a Redis that is down only leaves the store degraded).
@@ -177,6 +181,8 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
                 await state.scheduler.aclose()
                 await fleet.aclose()
                 await record_writer.drain()
+                if canonicalizer.forms is not None:
+                    await canonicalizer.forms.drain()
                 if tracer is not None:  # flushes what is queued; blocking, so in a thread
                     await asyncio.to_thread(tracer.shutdown)
         finally:

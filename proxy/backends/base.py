@@ -26,6 +26,7 @@ from proxy.backends.apis import (
 from proxy.backends.events import EventKind as EventKind  # re-exported: its old home
 from proxy.backends.load import LoadSource
 from proxy.backends.slot_api import SlotApi
+from proxy.backends.template_clock import TemplateClock
 from proxy.records import Observation
 
 CHAT = "/v1/chat/completions"
@@ -46,6 +47,8 @@ class BackendInfo:
     ctx_per_slot: int | None = None
     protected: bool = False
     """It refused the proxy's start-up probes for want of an API key (``--backend-api-key``)."""
+    template_clock: TemplateClock | None = None
+    """Its chat template prints the date or time into every prompt (``template_clock``)."""
 
     @property
     def capacity_tokens(self) -> int | None:

@@ -20,6 +20,7 @@ from proxy.backends.base import (
 )
 from proxy.backends.load import LoadSource
 from proxy.backends.slot_api import SlotApi
+from proxy.backends.template_clock import probe_template_clock
 from proxy.records import Observation
 
 CAPABILITIES = Capabilities(
@@ -118,11 +119,15 @@ class LlamaCppDialect(Dialect):
         settings = props.get("default_generation_settings")
         n_ctx = _int(settings.get("n_ctx")) if isinstance(settings, Mapping) else None
         alias = props.get("model_alias")
+        clock = await probe_template_clock(
+            session, base_url, props.get("chat_template"), headers=headers
+        )
         return BackendInfo(
             dialect=self.name,
             model=alias if isinstance(alias, str) else None,
             slots=_int(props.get("total_slots")),
             ctx_per_slot=n_ctx,
+            template_clock=clock,
         )
 
 

@@ -8,6 +8,11 @@
    ``custom_patterns``): each a set of detectors over the stable segments; their values go
    through one relocation, so the model sees one note however many rules found something.
 
+Learned forms. With a ``FormMemory`` (the proxy always has one) ``stable_json`` and
+``whitespace`` rewrite a part only to the form first seen for it (``proxy.canonical.learned``):
+the first request of a set, and an application that is already stable, pass untouched.
+``canonicalize`` (async) also consults the store for forms other proxies learned.
+
 Modes. A rule that is off does nothing. A rule in dry-run computes what it would change and
 reports it (``dry_run_fired``, ``changes``, ``stable_bytes_gained``) but the next rule starts
 from the body it was given. Global dry-run runs every rule as if it applied, so the report is
@@ -54,7 +59,9 @@ from proxy.canonical.config import (
     RuleConfig,
 )
 from proxy.canonical.detectors import build_detectors
+from proxy.canonical.forms import FormMemory, FormView
 from proxy.canonical.gain import GainMeter
+from proxy.canonical.learned import PartLister, learned_rule, stable_json_parts, whitespace_parts
 from proxy.canonical.outcome import Change, RuleOutcome, Skip
 from proxy.canonical.relocation import (
     DetectionCache,
@@ -86,6 +93,9 @@ REWRITE_RULES: tuple[tuple[str, RewriteRule], ...] = (
 API_REWRITE_RULES: tuple[tuple[str, RewriteRule], ...] = (
     (STABLE_JSON, api_stable_json),
     (WHITESPACE, api_whitespace),
+)
+LEARNED_PARTS: Mapping[str, PartLister] = MappingProxyType(
+    {STABLE_JSON: stable_json_parts, WHITESPACE: whitespace_parts}
 )
 
 
@@ -121,6 +131,8 @@ class CanonicalResult:
     changes: tuple[Change, ...] = ()
     skipped: tuple[Skip, ...] = ()
     meter: GainMeter | None = field(default=None, repr=False, compare=False)
+    learned: Mapping[str, bytes] = field(default_factory=dict, repr=False, compare=False)
+    """Forms this request taught the proxy (first seen here), for ``FormMemory.settle``."""
 
     @property
     def stable_bytes_gained(self) -> dict[str, int]:
@@ -154,8 +166,14 @@ class _Run:
 class Canonicalizer:
     """Rewrites request bodies so that their stable part is byte-identical every time."""
 
-    def __init__(self, config: CanonicalConfig | None = None) -> None:
+    def __init__(
+        self, config: CanonicalConfig | None = None, *, forms: FormMemory | None = None
+    ) -> None:
         self.config = config if config is not None else CanonicalConfig()
+        self.forms = forms
+        """Learned forms (``proxy.canonical.learned``): with them ``stable_json`` and
+        ``whitespace`` rewrite a part only to the form first seen for it; without, to their
+        fixed normal form."""
         self._detectors = build_detectors(self.config)
         self._detection_cache = DetectionCache()
         self._fired = dict.fromkeys(RULE_NAMES, 0)
@@ -183,17 +201,49 @@ class Canonicalizer:
         """Requests in which a rule failed and was skipped: a bug, always worth a look."""
         return MappingProxyType(self._errors)
 
-    def apply(self, route: str, body: dict[str, Any]) -> CanonicalResult:
-        """Canonicalize one request body (never mutated) for ``route``."""
+    def apply(
+        self, route: str, body: dict[str, Any], *, namespace: str = "default"
+    ) -> CanonicalResult:
+        """Canonicalize one request body (never mutated) for ``route``, with the forms this
+        proxy knows for ``namespace``."""
+        result = self._apply(route, body, namespace)
+        self._count(result)
+        return result
+
+    async def canonicalize(
+        self, route: str, body: dict[str, Any], *, namespace: str = "default"
+    ) -> CanonicalResult:
+        """``apply``, with the forms other proxies sharing the store learned: a part this proxy
+        has not seen is looked up in the store (one bounded round trip, only then), and the
+        request is canonicalized again if another proxy saw it first in another form."""
+        result = self._apply(route, body, namespace)
+        forms = self.forms
+        if forms is not None and result.learned and await forms.settle(namespace, result.learned):
+            result = self._apply(route, body, namespace)
+        self._count(result)
+        return result
+
+    def _count(self, result: CanonicalResult) -> None:
+        for name in result.fired:
+            self._fired[name] += 1
+        for name in result.dry_run_fired:
+            self._dry[name] += 1
+        for name in {s.rule for s in result.skipped}:
+            self._skipped[name] += 1
+
+    def _apply(self, route: str, body: dict[str, Any], namespace: str) -> CanonicalResult:
         config = self.config
         kind = request_kind(route)
         if not config.enabled or kind is None or type(body) is not dict:
             return CanonicalResult(body)
         run = _Run(route, body)
         api = kind in API_KINDS
+        view = self.forms.view(namespace) if self.forms is not None else None
         for name, rule_fn in API_REWRITE_RULES if api else REWRITE_RULES:
             rule = config.rule(name)
             if rule.enabled:
+                if view is not None and name in LEARNED_PARTS:
+                    rule_fn = self._learned(view, name, rule_fn, api)
                 self._rewrite(run, name, rule, rule_fn, kind)
         if (kind == "chat" or api) and self._detectors:
             try:
@@ -202,12 +252,6 @@ class Canonicalizer:
                 for name in self._detectors:
                     self._errors[name] += 1
                     run.skipped.append(Skip(name, "error"))
-        for name in run.fired:
-            self._fired[name] += 1
-        for name in run.dry:
-            self._dry[name] += 1
-        for name in {s.rule for s in run.skipped}:
-            self._skipped[name] += 1
         run.meter.finish(run.body, forwarded=not config.dry_run)
         return CanonicalResult(
             body=body if config.dry_run else run.body,
@@ -217,7 +261,16 @@ class Canonicalizer:
             skipped=tuple(run.skipped),
             # Gains are measured on the chat layout only (the other APIs' are not mapped yet).
             meter=run.meter if (run.fired or run.dry) and not api else None,
+            learned=_learned(view),
         )
+
+    def _learned(self, view: FormView, name: str, fixed: RewriteRule, api: bool) -> RewriteRule:
+        """Rule ``name`` rewriting each part only to its first-seen form (``learned``)."""
+        ws = self.config.rule(WHITESPACE)
+        also = None
+        if name == STABLE_JSON and ws.enabled:
+            also = (api_whitespace if api else whitespace, ws)
+        return partial(learned_rule, name, fixed, LEARNED_PARTS[name], view, also=also)
 
     def _rewrite(
         self, run: _Run, name: str, rule: RuleConfig, rule_fn: RewriteRule, kind: str
@@ -301,3 +354,7 @@ class Canonicalizer:
 
 def _same(body: dict[str, Any]) -> dict[str, Any]:
     return body
+
+
+def _learned(view: FormView | None) -> Mapping[str, bytes]:
+    return {} if view is None else view.learned

@@ -260,8 +260,13 @@ TOOL_A = {"name": "a_tool", "type": "function", "description": "First.", "parame
 
 
 async def test_responses_tools_are_canonical(llama_fake: LlamaFake, make_proxy: MakeProxy) -> None:
-    """Responses tools: keys sorted, ordered by name, the rules named in the header."""
+    """Responses tools sent shuffled after their sorted form was seen: rewritten to it (keys
+    sorted, ordered by name), the rules named in the header."""
     client, records, _ = await make_proxy(llama_fake.url)
+    first = responses_body("hi", tools=[TOOL_A, {k: TOOL_B[k] for k in sorted(TOOL_B)}])
+    async with client.post("/v1/responses", json=first) as resp:
+        assert resp.status == 200 and "X-Prefixgate-Canonical" not in resp.headers
+    assert (await records.wait()).canonical_rules == []
     body = responses_body("hi", tools=[TOOL_B, TOOL_A])
     async with client.post("/v1/responses", json=body) as resp:
         assert resp.status == 200
@@ -270,7 +275,7 @@ async def test_responses_tools_are_canonical(llama_fake: LlamaFake, make_proxy: 
     assert sent is not None
     assert [t["name"] for t in sent["tools"]] == ["a_tool", "b_tool"]
     assert list(sent["tools"][1]) == sorted(TOOL_B)
-    assert (await records.wait()).canonical_rules == ["stable_json"]
+    assert (await records.wait(2)).canonical_rules == ["stable_json"]
 
 
 async def test_responses_volatile_instruction_moves_to_a_note(
@@ -324,8 +329,17 @@ async def test_messages_with_breakpoint_reach_the_backend_untouched(
 async def test_messages_without_breakpoint_get_the_rules(
     llama_fake: LlamaFake, make_proxy: MakeProxy
 ) -> None:
-    """No breakpoint: Anthropic tools are sorted and the system text's line ends normalised."""
+    """No breakpoint: Anthropic tools and the system text sent in another form after their
+    normal form was seen are rewritten to it (sorted, line ends normalised)."""
     client, records, _ = await make_proxy(llama_fake.url)
+    normal = [
+        {"description": "A.\nSecond line.", "input_schema": {}, "name": "a"},
+        {"input_schema": {"a": 2, "b": 1, "type": "object"}, "name": "b"},
+    ]
+    first = messages_body("hi", tools=normal, system="Be brief.\nReally.")
+    async with client.post("/v1/messages", json=first) as resp:
+        assert resp.status == 200
+    assert (await records.wait()).canonical_rules == []
     tools = [
         {"name": "b", "input_schema": {"type": "object", "b": 1, "a": 2}},
         {"name": "a", "description": "A.  \r\nSecond line.", "input_schema": {}},
@@ -339,7 +353,7 @@ async def test_messages_without_breakpoint_get_the_rules(
     assert list(sent["tools"][1]["input_schema"]) == ["a", "b", "type"]
     assert sent["tools"][0]["description"] == "A.\nSecond line."
     assert sent["system"] == "Be brief.\nReally."
-    assert (await records.wait()).canonical_rules == ["stable_json", "whitespace"]
+    assert (await records.wait(2)).canonical_rules == ["stable_json", "whitespace"]
 
 
 async def test_responses_are_placed_on_a_slot_and_messages_are_not(
