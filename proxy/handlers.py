@@ -125,7 +125,11 @@ async def inference(request: web.Request) -> web.StreamResponse:
         validate_inference(route, body)
         ex.stream = body.get("stream") is True
         model = body["model"] if isinstance(body.get("model"), str) else None
-        canonical = state.canonicalizer.apply(route, body)
+        canonical = state.canonicalizer.apply(route, body, namespace=namespace, defer_notes=True)
+        if canonical.recall_notes and state.canonicalizer.notes is not None:
+            # Notes of earlier turns this process does not hold: one bounded store round trip.
+            await state.canonicalizer.notes.recall(namespace, canonical.recall_notes)
+            canonical = state.canonicalizer.apply(route, body, namespace=namespace)
         changed = canonical.body is not body
         body = canonical.body
         fired = list(canonical.fired)
@@ -185,6 +189,10 @@ async def inference(request: web.Request) -> web.StreamResponse:
         if canonical is not None:
             if canonical.dry_run_fired:
                 record.extra["canonical_dry_run_rules"] = list(canonical.dry_run_fired)
+            if canonical.notes_restored:
+                record.extra["canonical_notes_restored"] = canonical.notes_restored
+            if canonical.note_values_omitted:
+                record.extra["canonical_note_values_omitted"] = canonical.note_values_omitted
             if canonical.stable_bytes_gained:
                 record.extra["canonical_stable_bytes"] = canonical.stable_bytes_gained
         if affinity is not None:

@@ -55,6 +55,7 @@ from proxy.canonical.config import (
 )
 from proxy.canonical.detectors import build_detectors
 from proxy.canonical.gain import GainMeter
+from proxy.canonical.notes import NoteContext, NoteMemory
 from proxy.canonical.outcome import Change, RuleOutcome, Skip
 from proxy.canonical.relocation import (
     DetectionCache,
@@ -121,6 +122,12 @@ class CanonicalResult:
     changes: tuple[Change, ...] = ()
     skipped: tuple[Skip, ...] = ()
     meter: GainMeter | None = field(default=None, repr=False, compare=False)
+    recall_notes: tuple[str, ...] = ()
+    """Note-memory keys to recall before applying again (``apply(defer_notes=True)``)."""
+    notes_restored: int = 0
+    """Notes of earlier turns put back into the history."""
+    note_values_omitted: int = 0
+    """Values the new note leaves out because a restored note already states them."""
 
     @property
     def stable_bytes_gained(self) -> dict[str, int]:
@@ -140,9 +147,11 @@ class CanonicalResult:
 class _Run:
     """The state of one ``apply`` call."""
 
-    __slots__ = ("body", "changes", "dry", "fired", "meter", "skipped")
+    __slots__ = ("body", "changes", "deferred", "dry", "fired", "meter", "notes", "skipped")
 
     def __init__(self, route: str, body: dict[str, Any]) -> None:
+        self.notes: NoteContext | None = None
+        self.deferred = False
         self.body = body
         self.meter = GainMeter(route)
         self.fired: list[str] = []
@@ -154,8 +163,16 @@ class _Run:
 class Canonicalizer:
     """Rewrites request bodies so that their stable part is byte-identical every time."""
 
-    def __init__(self, config: CanonicalConfig | None = None) -> None:
+    def __init__(
+        self, config: CanonicalConfig | None = None, *, notes: NoteMemory | None = None
+    ) -> None:
         self.config = config if config is not None else CanonicalConfig()
+        # The note memory (``proxy.canonical.notes``); its store is attached at start-up.
+        self.notes = (
+            (notes or NoteMemory(ttl_s=self.config.note_memory_ttl_s))
+            if self.config.note_memory
+            else None
+        )
         self._detectors = build_detectors(self.config)
         self._detection_cache = DetectionCache()
         self._fired = dict.fromkeys(RULE_NAMES, 0)
@@ -183,13 +200,27 @@ class Canonicalizer:
         """Requests in which a rule failed and was skipped: a bug, always worth a look."""
         return MappingProxyType(self._errors)
 
-    def apply(self, route: str, body: dict[str, Any]) -> CanonicalResult:
-        """Canonicalize one request body (never mutated) for ``route``."""
+    def apply(
+        self,
+        route: str,
+        body: dict[str, Any],
+        *,
+        namespace: str = "default",
+        defer_notes: bool = False,
+    ) -> CanonicalResult:
+        """Canonicalize one request body (never mutated) for ``route``.
+
+        ``namespace``: whose note memory to use (the tenant). With ``defer_notes``, a request
+        whose history needs note-memory entries not held in this process comes back unchanged
+        with ``recall_notes`` naming them: recall them (``self.notes.recall``) and apply again.
+        """
         config = self.config
         kind = request_kind(route)
         if not config.enabled or kind is None or type(body) is not dict:
             return CanonicalResult(body)
         run = _Run(route, body)
+        if self.notes is not None and kind == "chat":
+            run.notes = NoteContext(self.notes, namespace, defer_notes)
         api = kind in API_KINDS
         for name, rule_fn in API_REWRITE_RULES if api else REWRITE_RULES:
             rule = config.rule(name)
@@ -202,6 +233,9 @@ class Canonicalizer:
                 for name in self._detectors:
                     self._errors[name] += 1
                     run.skipped.append(Skip(name, "error"))
+            if run.deferred:
+                assert run.notes is not None
+                return CanonicalResult(body, recall_notes=tuple(run.notes.missing))
         for name in run.fired:
             self._fired[name] += 1
         for name in run.dry:
@@ -217,6 +251,8 @@ class Canonicalizer:
             skipped=tuple(run.skipped),
             # Gains are measured on the chat layout only (the other APIs' are not mapped yet).
             meter=run.meter if (run.fired or run.dry) and not api else None,
+            notes_restored=run.notes.restored if run.notes else 0,
+            note_values_omitted=run.notes.omitted if run.notes else 0,
         )
 
     def _rewrite(
@@ -263,9 +299,15 @@ class Canonicalizer:
                 normalise_note=ws.enabled and not ws.dry_run,
                 taken=taken,
                 find_target=finder,
+                notes=notes,
             )
 
+        notes = run.notes if not config.dry_run else None
         applied = relocate_spans(active)
+        if applied.deferred:
+            run.deferred = True
+            return
+        notes = None  # the dry-run pass below must not touch the memory
         run.skipped += applied.skipped
         if applied.rules:
             run.changes += applied.changes
