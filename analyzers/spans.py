@@ -27,9 +27,10 @@ RULE_TIMESTAMPS = "volatile_timestamps"
 RULE_UUIDS = "volatile_uuids"
 RULE_HEX = "volatile_hex_ids"
 RULE_REWRITTEN = "none: content rewritten (no safe rule)"
-RULE_NOTE = 'note_placement = "last_suffix"'
+RULE_NOTE = 'note_placement = "last_suffix" with note_memory = true (the defaults)'
 """The value differs inside prefixgate's own relocation note (``[[datetime_1]] = ...``): the
-note sits before conversation that follows it, which ``last_suffix`` avoids."""
+note sits before conversation that follows it, or was not restored on a later turn; the
+defaults (the note after the newest message, earlier notes restored) avoid both."""
 CUSTOM_PREFIX = "custom pattern: "
 
 RESYNC_PROBE = 16  # bytes that must agree again for a difference to count as a span
