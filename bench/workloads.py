@@ -208,7 +208,11 @@ def agent_bodies(scale: Scale, volatile: bool = True) -> list[dict[str, Any]]:
         header = f"Current time: {now.isoformat().replace('+00:00', 'Z')}\n" if volatile else ""
         system = header + instructions
         bodies.append(
-            chat([{"role": "system", "content": system}, *history], scale.max_tokens, tools=AGENT_TOOLS)
+            chat(
+                [{"role": "system", "content": system}, *history],
+                scale.max_tokens,
+                tools=AGENT_TOOLS,
+            )
         )
         tool = AGENT_TOOLS[turn % len(AGENT_TOOLS)]["function"]["name"]
         args = json.dumps({"path": f"billing/export_{turn}.py", "query": "ledger"})
