@@ -23,7 +23,8 @@ pytestmark = pytest.mark.real
 
 CHAT = "/v1/chat/completions"
 SESSION = "550e8400-e29b-41d4-a716-446655440000"
-_DEFINITION = re.compile(r"^(\[\[[a-z0-9_]+\]\]) = (.*)$", re.MULTILINE)
+# A note line; the template may close the message on the same line.
+_DEFINITION = re.compile(r"^(\[\[[a-z0-9_]+\]\]) = (.*?)(?:<\|im_end\|>)?$", re.MULTILINE)
 
 
 def turn_body(n: int) -> dict[str, Any]:
