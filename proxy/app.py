@@ -136,6 +136,8 @@ def build_app(settings: Settings, *, writer: RecordWriter | None = None) -> web.
             ),
         )
         tracer = RecordTracer.from_env()
+        if canonicalizer.notes is not None:  # the note memory shares the store's memory
+            canonicalizer.notes.store = store
         try:  # from here on, a start step that fails still closes the session and the store
             fleet = Fleet.from_settings(settings)
             tracker = PrefixTracker(

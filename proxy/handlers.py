@@ -205,6 +205,10 @@ async def inference(request: web.Request) -> web.StreamResponse:
         if canonical is not None:
             if canonical.dry_run_fired:
                 record.extra["canonical_dry_run_rules"] = list(canonical.dry_run_fired)
+            if canonical.notes_restored:
+                record.extra["canonical_notes_restored"] = canonical.notes_restored
+            if canonical.note_values_omitted:
+                record.extra["canonical_note_values_omitted"] = canonical.note_values_omitted
             if canonical.stable_bytes_gained:
                 record.extra["canonical_stable_bytes"] = canonical.stable_bytes_gained
         if affinity is not None:

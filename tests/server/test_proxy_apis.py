@@ -281,7 +281,8 @@ async def test_responses_tools_are_canonical(llama_fake: LlamaFake, make_proxy: 
 async def test_responses_volatile_instruction_moves_to_a_note(
     llama_fake: LlamaFake, make_proxy: MakeProxy
 ) -> None:
-    """A date in the instructions becomes a placeholder; its value goes to the user's input."""
+    """A date in the instructions becomes a placeholder; its value goes to the user's input
+    (after its text: the default placement)."""
     client, records, _ = await make_proxy(llama_fake.url)
     body = {
         "model": "fake-model",
@@ -294,8 +295,8 @@ async def test_responses_volatile_instruction_moves_to_a_note(
     assert sent is not None
     assert "2026" not in sent["instructions"] and "[[datetime_1]]" in sent["instructions"]
     parts = sent["input"][0]["content"]
-    assert parts[0]["type"] == "input_text" and "2026-11-30T10:00:00Z" in parts[0]["text"]
-    assert parts[1] == {"type": "input_text", "text": "hi"}
+    assert parts[0] == {"type": "input_text", "text": "hi"}
+    assert parts[1]["type"] == "input_text" and "2026-11-30T10:00:00Z" in parts[1]["text"]
     assert "volatile_timestamps" in (await records.wait()).canonical_rules
 
 
