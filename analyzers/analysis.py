@@ -95,6 +95,7 @@ class Analysis:
             "goodput": _goodput_json(self.goodput),
             "timeline": [asdict(b) for b in self.timeline],
             "notes": t.notes,
+            "template_clocks": t.template_clocks,
             "seconds": self.seconds,
         }
 
@@ -112,6 +113,20 @@ def _goodput_json(g: Goodput) -> dict[str, Any]:
         "ttft_ms": {"hit": _latency_json(g.ttft_hit), "miss": _latency_json(g.ttft_miss)},
         "tpot_ms": {"hit": _latency_json(g.tpot_hit), "miss": _latency_json(g.tpot_miss)},
     }
+
+
+def template_clock_notes(clocks: dict[str, str]) -> list[str]:
+    """What to tell about backends whose chat template prints the clock into every prompt."""
+    out = []
+    for backend, kind in sorted(clocks.items()):
+        cost = "every request" if kind == "time" else "once a day"
+        out.append(
+            f"{backend}: its chat template prints the {kind} into every prompt (strftime_now), "
+            f"which breaks the prefix cache {cost} from that point on; no rewrite of the "
+            "request can help: serve a template without it (--chat-template-file) or pass the "
+            "date in the system prompt yourself, where the proxy can relocate it"
+        )
+    return out
 
 
 def analyze(
@@ -158,6 +173,7 @@ def analyze(
         max_backends_per_prompt=opts.max_backends_per_prompt,
         top=opts.top,
     )
+    trace.notes.extend(template_clock_notes(trace.template_clocks))
     if trace.without_prefix:
         trace.notes.append(
             f"{trace.without_prefix} records had neither prefix segments nor a body: "

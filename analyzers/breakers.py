@@ -38,9 +38,10 @@ UNKNOWN_RULE = "unknown: log request bodies to see the span"
 _DIGIT_WORDS = re.compile(r"[\w-]*\d[\w-]*")
 _DIGITS = re.compile(r"\d+")
 NOTE_HINT = (
-    "the value is in prefixgate's relocation note, which moves to each new user message and "
-    "breaks the turns after it (tool calls and results); [canonical] note_placement = "
-    '"last_suffix" puts it after the newest message instead'
+    "the value is in prefixgate's relocation note, which moves to each new user message, or "
+    "is dropped when the application resends the message, and breaks the turns after it; the "
+    '[canonical] defaults (note_placement = "last_suffix", note_memory = true) put the note '
+    "after the newest message and restore earlier notes, so the history stays byte-identical"
 )
 _HINTS = {
     "tools": "tool schemas changed; stable_json if only key or tool order differs",

@@ -62,6 +62,7 @@ K_TPOT_MS = record_key("tpot_ms")
 K_BACKEND = record_key("backend")
 K_MODEL = record_key("model")
 K_TENANT = record_key("tenant")
+K_TEMPLATE_CLOCK = record_key("template_clock")
 K_CANONICAL_RULES = record_key("canonical_rules")
 K_AFFINITY_KEY = record_key("affinity_key")
 K_BODY = record_key("body")
@@ -298,6 +299,9 @@ def _from_record(obj: dict[str, Any], source: str, trace: Trace) -> TraceRequest
         canonical_rules=get(K_CANONICAL_RULES) or (),
         affinity_key=_hex_or_none(get(K_AFFINITY_KEY)),
     )
+    clock = get(K_TEMPLATE_CLOCK)
+    if type(clock) is str:
+        trace.template_clocks[request.backend or "backend"] = clock
     body = get(K_BODY)
     if type(body) is dict:
         block = get(K_PREFIX_BLOCK_BYTES)

@@ -5,7 +5,8 @@ Byte-level helpers for the breaker search: the first difference after an offset 
 a short difference, and a classification of the difference:
 
 - ``volatile_uuids``, ``volatile_timestamps``, ``volatile_hex_ids``: the span lies inside a
-  UUID, a date/time/epoch value, or a long hex identifier on both sides;
+  value that rule's detectors (the proxy's own, ``proxy.canonical.detectors``, with their
+  default options) find on both sides, so a rule is named only where the proxy would fire;
 - ``whitespace``: only line endings or trailing blanks differ;
 - ``stable_json`` is decided at segment level (see ``breakers``), not here;
 - otherwise a regex suggestion for a custom volatile pattern, built from the literal text just
@@ -17,45 +18,29 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from proxy.canonical.config import CanonicalConfig
+from proxy.canonical.detectors import ascii_view, build_detectors
+
 RULE_STABLE_JSON = "stable_json"
 RULE_WHITESPACE = "whitespace"
 RULE_TIMESTAMPS = "volatile_timestamps"
 RULE_UUIDS = "volatile_uuids"
 RULE_HEX = "volatile_hex_ids"
 RULE_REWRITTEN = "none: content rewritten (no safe rule)"
-RULE_NOTE = 'note_placement = "last_suffix"'
+RULE_NOTE = 'note_placement = "last_suffix" with note_memory = true (the defaults)'
 """The value differs inside prefixgate's own relocation note (``[[datetime_1]] = ...``): the
-note sits before conversation that follows it, which ``last_suffix`` avoids."""
+note sits before conversation that follows it, or was not restored on a later turn; the
+defaults (the note after the newest message, earlier notes restored) avoid both."""
 CUSTOM_PREFIX = "custom pattern: "
 
 RESYNC_PROBE = 16  # bytes that must agree again for a difference to count as a span
 MAX_SPAN = 160  # longer differences are new content, not a volatile value
-_WINDOW = 48  # bytes either side of a span searched for a pattern that covers it
 
-_MONTH = rb"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)[a-z]*\.?"
-_DAY = rb"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)[a-z]*,?"
-_PATTERNS: tuple[tuple[str, re.Pattern[bytes]], ...] = (
-    (
-        RULE_UUIDS,
-        re.compile(rb"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"),
-    ),
-    (
-        RULE_TIMESTAMPS,
-        re.compile(
-            rb"\d{4}-\d{2}-\d{2}(?:[T ]\d{1,2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?"
-            rb"(?:\s?(?:Z|UTC|[+-]\d{2}:?\d{2}))?)?"
-            rb"|\d{1,2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:\s?[AaPp][Mm])?"
-            rb"|\d{1,2}/\d{1,2}/\d{2,4}"
-            rb"|(?:" + _DAY + rb"\s+)?" + _MONTH + rb"\s+\d{1,2}(?:st|nd|rd|th)?,?\s+\d{4}"
-            rb"|(?:" + _DAY + rb"\s+)?\d{1,2}\s+" + _MONTH + rb"\s+\d{4}"
-            rb"|(?<![\d.])1[5-9]\d{8}(?:\d{3})?(?:\.\d+)?(?![\d.])"
-        ),
-    ),
-    (
-        RULE_HEX,
-        re.compile(rb"(?<![0-9A-Za-z])(?=[0-9a-fA-F]*\d)(?=[0-9a-fA-F]*[a-fA-F])[0-9a-fA-F]{8,}"),
-    ),
-)
+# The proxy's own detectors judge a span, so a rule is named only when the proxy, configured
+# with its defaults, would find the value: one detector implementation for both.
+_DETECTORS = build_detectors(CanonicalConfig())
+_RULE_ORDER = (RULE_UUIDS, RULE_TIMESTAMPS, RULE_HEX)
+_DETECT_WINDOW = 64  # bytes either side of a span handed to the detectors
 _BLANK = frozenset(b" \t\r\n")
 _TOKEN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:+-/")
 
@@ -113,14 +98,17 @@ class SpanKind:
     context: str  # literal text just before the value
 
 
-def _covering(pattern: re.Pattern[bytes], data: bytes, lo: int, hi: int) -> tuple[int, int] | None:
-    """The match of ``pattern`` that covers ``data[lo:hi]`` (an insertion point if empty)."""
-    start = max(0, lo - _WINDOW)
-    for m in pattern.finditer(data, start, min(len(data), hi + _WINDOW)):
-        if m.start() <= lo and m.end() >= hi:
-            return m.start(), m.end()
-        if m.start() > lo:
-            break
+def _covering(rule: str, data: bytes, lo: int, hi: int) -> tuple[int, int] | None:
+    """The value ``rule``'s detectors find that covers ``data[lo:hi]`` (an insertion point if
+    empty), as the proxy would find it in the text around the span."""
+    start = max(0, lo - _DETECT_WINDOW)
+    # One character per byte, so offsets stay byte offsets; non-ASCII bytes match nothing.
+    text = data[start : min(len(data), hi + _DETECT_WINDOW)].decode("latin-1")
+    view = ascii_view(text)
+    for detector in _DETECTORS.get(rule, ()):
+        for f in detector(text, view):
+            if start + f.start <= lo and start + f.end >= hi:
+                return start + f.start, start + f.end
     return None
 
 
@@ -176,9 +164,9 @@ def _classify(a: bytes, a_lo: int, a_hi: int, b: bytes, b_lo: int, b_hi: int) ->
     sa, sb = a[a_lo:a_hi], b[b_lo:b_hi]
     if _line_end_blanks(a, a_lo, a_hi) and _line_end_blanks(b, b_lo, b_hi):
         return SpanKind(RULE_WHITESPACE, _show(sa), _show(sb), _show(_context(b, b_lo)))
-    for rule, pattern in _PATTERNS:
-        ma = _covering(pattern, a, a_lo, a_hi)
-        mb = _covering(pattern, b, b_lo, b_hi)
+    for rule in _RULE_ORDER:
+        ma = _covering(rule, a, a_lo, a_hi)
+        mb = _covering(rule, b, b_lo, b_hi)
         if ma is not None and mb is not None:
             va, vb = a[ma[0] : ma[1]], b[mb[0] : mb[1]]
             return SpanKind(rule, _show(va), _show(vb), _show(_context(b, mb[0])))

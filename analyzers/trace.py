@@ -134,6 +134,9 @@ class Trace:
     errors_slo_missed: int = 0  # of those, how many were marked as missing the SLO
     without_prefix: int = 0  # records with neither prefix segments nor a body
     notes: list[str] = field(default_factory=list)
+    template_clocks: dict[str, str] = field(default_factory=dict)
+    """Backends whose chat template prints the ``date`` or ``time`` into every prompt (from the
+    records' ``template_clock``)."""
 
     def sort(self) -> None:
         """Put requests in timestamp order (stable: file order breaks ties)."""

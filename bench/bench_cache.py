@@ -270,8 +270,8 @@ def run_workload(
         if records_out is not None:
             records_out.write_bytes(proxy.extra_files["records"].read_bytes())
         ideal = None
-        if name.startswith("fleet_"):
-            plain = workloads.fleet_bodies(scale, "plain")
+        if name in workloads.CEILINGS:
+            plain = workloads.CEILINGS[name](scale)
             ideal = ideal_share(asyncio.run(token_ids(direct.url, plain)))
     runs: dict[str, Any] = {
         "direct": summary_of(d_results, d_own, {}),
@@ -286,6 +286,10 @@ def run_workload(
     )
     if ideal is not None:
         runs["ideal"] = {"cached_share_after_first": ideal}
+        for mode in MODES:
+            share = runs[mode].get("cached_share_after_first")
+            if share is not None and ideal:
+                runs[mode]["share_of_ideal"] = round(share / ideal, 3)
     return runs
 
 
@@ -373,7 +377,12 @@ def print_table(report: dict[str, Any]) -> None:
         for mode, s in modes.items():
             after = s.get("cached_share_after_first")
             if mode == "ideal":
-                table.add_row(name, mode, *["-"] * 3, f"{after:.1%}", *["-"] * 6)
+                ratios = " / ".join(
+                    f"{m} {modes[m]['share_of_ideal']:.3f}"
+                    for m in MODES
+                    if "share_of_ideal" in modes.get(m, {})
+                )
+                table.add_row(name, mode, *["-"] * 3, f"{after:.1%}", *["-"] * 5, ratios)
                 continue
             share = s["cached_share"]
             error = s.get("prediction_error")

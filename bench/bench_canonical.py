@@ -11,6 +11,11 @@ schemas; a conversation with tool calls, repeated to reach the size), built by
   the tool-call arguments' serialization are shuffled too;
 - ``canonical``: the input is already canonical (the output fed back): the cost of checking.
 
+Each scenario runs twice, side by side: ``fixed`` (every part rewritten to its normal form, a
+canonicalizer without a form memory) and ``learned`` (the proxy's default: each part rewritten
+only to the form first seen for it; the memory warmed by the first requests, as in a running
+proxy).
+
 Prints the median and p90 microseconds per ``apply`` (the request path); the cost of then
 measuring ``stable_bytes_gained`` (done when the record is written, after the response), alone
 and reusing the fingerprint's layout of the forwarded prompt; and, for scale, parsing the body
@@ -39,6 +44,7 @@ from rich.table import Table
 
 from analyzers.quantile import percentile
 from proxy.canonical import Canonicalizer, CanonicalResult
+from proxy.canonical.forms import FormMemory
 from proxy.fingerprint import fingerprint, render
 
 SIZES = (8 << 10, 128 << 10)
@@ -73,9 +79,11 @@ def p90(values: list[float]) -> float:
     return percentile(sorted(values), 0.9) or 0.0
 
 
-def measure(size: int, scenario: str, repeat: int) -> list[str]:
-    """One table row: the scenario's request size, rules fired and timings."""
-    canonicalizer = Canonicalizer()
+def measure(size: int, scenario: str, repeat: int, forms: str) -> list[str]:
+    """One table row: the scenario's request size, rules fired and timings; ``forms``:
+    ``learned`` (the proxy's default: a form memory) or ``fixed`` (every part to its normal
+    form)."""
+    canonicalizer = Canonicalizer(forms=FormMemory() if forms == "learned" else None)
     items = bodies(size, "shuffled" if scenario == "shuffled" else "steady", repeat)
     if scenario == "canonical":
         items = [canonicalizer.apply(CHAT, b).body for b in items]
@@ -103,6 +111,7 @@ def measure(size: int, scenario: str, repeat: int) -> list[str]:
     return [
         f"{len(raw[0]) / 1024:.0f} KB",
         scenario,
+        forms,
         fired.replace("volatile_", "v_").replace("stable_json", "json"),
         f"{statistics.median(apply_us):.0f}",
         f"{p90(apply_us):.0f}",
@@ -118,7 +127,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=200, help="requests per measurement")
     args = parser.parse_args()
     table = Table(title="Canonicalizer.apply, µs per request")
-    for column in ("size", "scenario", "fired"):
+    for column in ("size", "scenario", "forms", "fired"):
         table.add_column(column)
     for column in (
         "apply p50",
@@ -131,7 +140,8 @@ def main() -> None:
         table.add_column(column, justify="right")
     for size in SIZES:
         for scenario in ("steady", "shuffled", "canonical"):
-            table.add_row(*measure(size, scenario, args.repeat))
+            for forms in ("fixed", "learned"):
+                table.add_row(*measure(size, scenario, args.repeat, forms))
     Console(width=140).print(table)
 
 

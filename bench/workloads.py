@@ -76,6 +76,8 @@ class Scale:
     fleet_conversations: int = 3
     fleet_turns: int = 5
     fleet_system_words: int = 400
+    chat_turns: int = 6
+    chat_system_words: int = 500
 
 
 QUICK = Scale(
@@ -93,6 +95,8 @@ QUICK = Scale(
     fleet_conversations=3,
     fleet_turns=3,
     fleet_system_words=60,
+    chat_turns=3,
+    chat_system_words=60,
 )
 
 
@@ -186,7 +190,10 @@ def tool_turn(call_id: str, tool: str, args: str, result: str) -> list[dict[str,
     ]
 
 
-async def agent_loop(send: Send, scale: Scale) -> None:
+def agent_bodies(scale: Scale, volatile: bool = True) -> list[dict[str, Any]]:
+    """The agent loop's requests: one conversation, a clock to the second in the system prompt
+    (``volatile``; without it, the workload's ceiling), every request after the first ending
+    with a tool result. Scripted: the bodies do not depend on the answers."""
     rng = random.Random(3)
     clock = datetime(2026, 11, 30, 22, 41, 7, tzinfo=UTC)
     instructions = "You are a coding agent in a Python repository. " + prose(
@@ -195,10 +202,12 @@ async def agent_loop(send: Send, scale: Scale) -> None:
     history: list[dict[str, Any]] = [
         {"role": "user", "content": "The billing export fails on empty ledgers. Fix it."}
     ]
+    bodies = []
     for turn in range(scale.agent_turns):
         now = clock + timedelta(seconds=23 * turn)
-        system = f"Current time: {now.isoformat().replace('+00:00', 'Z')}\n{instructions}"
-        await send(
+        header = f"Current time: {now.isoformat().replace('+00:00', 'Z')}\n" if volatile else ""
+        system = header + instructions
+        bodies.append(
             chat(
                 [{"role": "system", "content": system}, *history],
                 scale.max_tokens,
@@ -208,6 +217,61 @@ async def agent_loop(send: Send, scale: Scale) -> None:
         tool = AGENT_TOOLS[turn % len(AGENT_TOOLS)]["function"]["name"]
         args = json.dumps({"path": f"billing/export_{turn}.py", "query": "ledger"})
         history += tool_turn(f"call_{turn}", tool, args, prose(rng, scale.system_words // 5))
+    return bodies
+
+
+async def agent_loop(send: Send, scale: Scale) -> None:
+    for body in agent_bodies(scale):
+        await send(body)
+
+
+CHAT_VOLATILE = ("plain", "clock_id", "epoch")
+
+
+def chat_loop_bodies(scale: Scale, volatile: str = "clock_id") -> list[dict[str, Any]]:
+    """A chat loop's requests: one conversation of ``scale.chat_turns`` turns under a system
+    prompt of ``scale.chat_system_words`` words, the assistant's replies scripted (so the
+    bodies do not depend on the answers).
+
+    ``volatile``: what the system prompt starts with: ``clock_id`` a ``date(1)``-style clock
+    and a fresh 32-hex reference on every request, ``epoch`` a clock in epoch seconds
+    (``Clock: 1764542467``), ``plain`` nothing (the workload's ceiling).
+    """
+    if volatile not in CHAT_VOLATILE:
+        raise ValueError(f"volatile must be one of {CHAT_VOLATILE}")
+    rng = random.Random(11)
+    instructions = "You are the travel desk assistant of Contoso. " + prose(
+        rng, scale.chat_system_words
+    )
+    clock = datetime(2026, 12, 1, 22, 41, 7, tzinfo=UTC)
+    refs = random.Random(12)
+    history: list[dict[str, Any]] = []
+    bodies = []
+    for turn in range(scale.chat_turns):
+        now = clock + timedelta(seconds=41 * turn + 3)
+        if volatile == "clock_id":
+            header = f"Now: {now.strftime('%a %b %d %H:%M:%S UTC %Y')}\n"
+            header += f"Reference: {refs.getrandbits(128):032x}\n"
+        elif volatile == "epoch":
+            header = f"Clock: {int(now.timestamp())}\n"
+        else:
+            header = ""
+        history.append({"role": "user", "content": prose(rng, 16).rstrip(".") + "?"})
+        messages = [{"role": "system", "content": header + instructions}, *history]
+        bodies.append(chat(messages, scale.max_tokens))
+        history.append({"role": "assistant", "content": prose(rng, 30)})
+    return bodies
+
+
+def chat_loop(volatile: str) -> Workload:
+    """A driver sending ``chat_loop_bodies(scale, volatile)`` one after another."""
+
+    async def run(send: Send, scale: Scale) -> None:
+        for body in chat_loop_bodies(scale, volatile):
+            await send(body)
+
+    run.__name__ = f"chat_{volatile}"
+    return run
 
 
 async def rag(send: Send, scale: Scale) -> None:
@@ -373,4 +437,17 @@ WORKLOADS: dict[str, Workload] = {
     "claude_code": claude_code,
     "fleet_fixed": fleet_workload("fixed"),
     "fleet_clock": fleet_workload("clock"),
+    "chat_clock_id": chat_loop("clock_id"),
+    "chat_epoch": chat_loop("epoch"),
+}
+
+# The requests of each workload's ceiling (the same conversations with nothing volatile), for
+# the workloads whose bodies do not depend on the answers: the bench reports the ideal share
+# of these beside the measured runs.
+CEILINGS: dict[str, Callable[[Scale], list[dict[str, Any]]]] = {
+    "agent_loop": lambda scale: agent_bodies(scale, volatile=False),
+    "fleet_fixed": lambda scale: fleet_bodies(scale, "plain"),
+    "fleet_clock": lambda scale: fleet_bodies(scale, "plain"),
+    "chat_clock_id": lambda scale: chat_loop_bodies(scale, "plain"),
+    "chat_epoch": lambda scale: chat_loop_bodies(scale, "plain"),
 }

@@ -11,6 +11,7 @@ in one ``cleanup_ctx`` context manager; handlers reach them through the typed ``
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 import uuid
@@ -24,6 +25,7 @@ from proxy import handlers
 from proxy.admin import ADMIN_APP, ADMIN_PATHS, build_admin_app
 from proxy.auth import KeysFileError, auth_middleware, load_keys, refuse_ambiguous_paths
 from proxy.canonical import Canonicalizer, config_from_mapping
+from proxy.canonical.forms import FormMemory
 from proxy.config import ConfigError, Settings
 from proxy.errors import ProxyError, error_response
 from proxy.exchange import Exchange, learn
@@ -35,6 +37,7 @@ from proxy.redact import Redactor
 from proxy.scheduling import Scheduler
 from proxy.state import REQUEST_ID, STATE, T_START, ProxyState
 from proxy.store import StoreOptions, StoreTimeouts, open_store
+from proxy.tracing import RecordTracer
 from proxy.upstream import upstream_session
 
 log = get_logger()
@@ -85,7 +88,8 @@ def build_canonicalizer(settings: Settings) -> Canonicalizer:
             config,
             enabled=config.enabled and settings.canonicalize,
             dry_run=config.dry_run or settings.canonical_dry_run,
-        )
+        ),
+        forms=FormMemory(),
     )
 
 
@@ -138,6 +142,9 @@ def build_app(
                 timeouts=StoreTimeouts(lookup_s=t.store),
             ),
         )
+        tracer = RecordTracer.from_env()
+        if canonicalizer.notes is not None:  # the note memory shares the store's memory
+            canonicalizer.notes.store = store
         try:  # from here on, a start step that fails still closes the session and the store
             fleet = Fleet.from_settings(settings)
             tracker = PrefixTracker(
@@ -161,10 +168,14 @@ def build_app(
                 ),
             )
             app[STATE] = state
+            if canonicalizer.forms is not None:  # learned forms are shared through the store
+                canonicalizer.forms.bind(store)
             try:
                 # Off every request's deadline: the first prefixes learned are not lost to a
                 # cold connection (bounded; a Redis that is down only leaves the store degraded).
                 await store.warm()
+                if tracer is not None:
+                    record_writer.add_sink(tracer.observe)
                 await fleet.start(session)
                 state.scheduler.start(
                     session, fleet.replicas, backend_api_key=settings.backend_api_key
@@ -179,6 +190,10 @@ def build_app(
                 await state.scheduler.aclose()
                 await fleet.aclose()
                 await record_writer.drain()
+                if canonicalizer.forms is not None:
+                    await canonicalizer.forms.drain()
+                if tracer is not None:  # flushes what is queued; blocking, so in a thread
+                    await asyncio.to_thread(tracer.shutdown)
         finally:
             await session.close()
             await store.aclose()

@@ -1,141 +1,46 @@
-"""Reading a backend's own load: how many requests it is running and how many wait.
+"""Reading a backend's own load, in the background: how many requests it runs and how many wait.
 
 The proxy counts the requests it has in flight to each replica, but a backend may also serve
 traffic that does not pass through this proxy (or any proxy), and it knows its queue better than
-anyone. Where a server exposes those numbers, the fleet reads them in the background on the
+anyone. Where a server exposes those numbers (its dialect's ``Capabilities.load_sources``, tried
+in order; ``proxy.backends`` says which server publishes what), the fleet reads them on the
 health-check interval (never on the request path) and the router folds them into the load it
-compares:
+compares. A server with no source is routed on the proxy's own counts only.
 
-==========  ===========================================================================
-llama.cpp   ``GET /slots`` (on by default): slots with ``is_processing``; else
-            ``GET /metrics`` (needs ``--metrics``): ``llamacpp:requests_processing`` +
-            ``llamacpp:requests_deferred``
-vLLM        ``GET /metrics``: ``vllm:num_requests_running`` + ``vllm:num_requests_waiting``
-            (summed over label sets: one per model name / engine)
-other       nothing: the proxy's own counts only
-==========  ===========================================================================
-
-llama.cpp's ``/slots`` is asked first because a ``/metrics`` scrape resets llama.cpp's windowed
-throughput gauges (``llamacpp:prompt_tokens_seconds``…), which would skew what an operator's own
-Prometheus scrape of the same server sees. ``/slots`` has a side effect of its own (it wakes a
-server with ``--sleep-idle-seconds`` and restarts its idle timer), so the fleet reads it only
-while there is load to see (``proxy.fleet``: asleep and quiet replicas are not read).
-
-This module names servers because load gauges are not part of any dialect's request/response
-contract; it is the one place that knows them.
+A source that answered is asked first next time. Some sources have side effects on the server
+(a scrape that resets windowed gauges, a read that wakes a sleeping server), which is why a
+dialect orders them and the fleet reads none while a replica is asleep or quiet (``proxy.fleet``).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import aiohttp
-import orjson
 
+from proxy.backends import DIALECTS, Dialect, dialect_named
+from proxy.backends.load import BackendLoad, LoadSource, prometheus_samples
 from proxy.log import get_logger
 
 log = get_logger()
 
-MAX_BODY_BYTES = 4 * 1024 * 1024  # a vLLM /metrics page is a few hundred KB at most
-
-
-@dataclass(frozen=True, slots=True)
-class BackendLoad:
-    """One reading of a backend's own load."""
-
-    running: float
-    waiting: float
-    source: str
-    """The path it was read from (``/slots`` or ``/metrics``)."""
-
-    @property
-    def total(self) -> float:
-        """Requests the backend holds: running plus queued."""
-        return self.running + self.waiting
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSource:
-    """Where and how one kind of server reports its load."""
-
-    path: str
-    running: str = ""
-    waiting: str = ""
-    """Prometheus sample names; empty for a JSON ``/slots`` source."""
-
-    def read(self, payload: bytes) -> BackendLoad | None:
-        """Parse a 200 answer; None when it does not carry the numbers."""
-        if not self.running:
-            return _slots_load(payload, self.path)
-        gauges = prometheus_samples(
-            payload.decode("utf-8", "replace"), (self.running, self.waiting)
-        )
-        if self.running not in gauges:
-            return None
-        return BackendLoad(gauges[self.running], gauges.get(self.waiting, 0.0), self.path)
-
+MAX_BODY_BYTES = 4 * 1024 * 1024  # a large /metrics page (histograms) is a few hundred KB at most
 
 SOURCES: Mapping[str, Sequence[LoadSource]] = {
-    "llamacpp": (
-        LoadSource("/slots"),
-        LoadSource("/metrics", "llamacpp:requests_processing", "llamacpp:requests_deferred"),
-    ),
-    "vllm": (LoadSource("/metrics", "vllm:num_requests_running", "vllm:num_requests_waiting"),),
+    name: dialect.capabilities.load_sources
+    for name, dialect in DIALECTS.items()
+    if dialect.capabilities.load_sources
 }
+"""Each dialect's load sources by name (derived from the dialects' capabilities)."""
 
-
-def prometheus_samples(text: str, names: Collection[str]) -> dict[str, float]:
-    """The values of the samples called ``names`` in a Prometheus text page, summed over labels.
-
-    Only lines starting with a wanted name are parsed, so a large page (vLLM's histograms) costs
-    one pass of ``startswith`` checks.
-    """
-    wanted = tuple(n for n in names if n)
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith(wanted):
-            continue
-        if "{" in line:
-            name, _, rest = line.partition("{")
-            rest = rest.rpartition("}")[2]
-        else:
-            name, _, rest = line.partition(" ")
-        name = name.strip()
-        if name not in wanted:
-            continue  # a longer name sharing the prefix (``..._total``, ``..._bucket``)
-        fields = rest.split()
-        if not fields:
-            continue
-        try:
-            value = float(fields[0])
-        except ValueError:
-            continue
-        if math.isfinite(value):
-            out[name] = out.get(name, 0.0) + value
-    return out
-
-
-def _slots_load(payload: bytes, path: str) -> BackendLoad | None:
-    try:
-        slots: Any = orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(slots, list):
-        return None
-    busy = 0
-    for slot in slots:
-        if not isinstance(slot, Mapping):
-            return None
-        if "is_processing" in slot:
-            busy += slot["is_processing"] is True
-        elif "state" in slot:  # older servers: 0 idle, 1 processing
-            busy += slot["state"] != 0
-        else:
-            return None
-    return BackendLoad(float(busy), 0.0, path)
+__all__ = [
+    "MAX_BODY_BYTES",
+    "SOURCES",
+    "BackendLoad",
+    "LoadReader",
+    "LoadSource",
+    "prometheus_samples",
+]
 
 
 class LoadReader:
@@ -150,13 +55,18 @@ class LoadReader:
         self,
         session: aiohttp.ClientSession,
         base_url: str,
-        dialect: str,
+        dialect: Dialect | str,
         *,
         timeout_s: float,
         headers: Mapping[str, str] | None = None,
     ) -> BackendLoad | None:
-        """The backend's load now, or None when it does not say (or did not answer)."""
-        sources = list(SOURCES.get(dialect, ()))
+        """The backend's load now, or None when it does not say (or did not answer).
+
+        ``dialect``: the server's dialect (or its name), whose ``load_sources`` are tried.
+        """
+        if isinstance(dialect, str):
+            dialect = dialect_named(dialect)
+        sources = list(dialect.capabilities.load_sources)
         if self._preferred in sources:
             sources.remove(self._preferred)
             sources.insert(0, self._preferred)

@@ -123,6 +123,8 @@ def build_record(
     if canonical is not None:
         record.canonical_rules = list(canonical.fired)
         record.canonical_dry_run_rules = list(canonical.dry_run_fired) or None
+        record.canonical_notes_restored = canonical.notes_restored or None
+        record.canonical_note_values_omitted = canonical.note_values_omitted or None
         record.canonical_stable_bytes = canonical.stable_bytes_gained or None
     if ex.affinity is not None:
         record.affinity_key = ex.affinity.hashed
@@ -131,6 +133,9 @@ def build_record(
         record.hosted_fields_stripped = list(ex.outgoing.stripped)
     if target is not None:
         record.route_reason = target.reason
+        info = target.replica.info
+        if info is not None and info.template_clock is not None:
+            record.template_clock = info.template_clock.kind
         record.replica_load = target.load
         record.retried_from = target.retried_from
         if view is not None:

@@ -1,30 +1,30 @@
 """The backend replicas behind the proxy: who they are, whether they answer, where a request goes.
 
-Each ``Replica`` carries its dialect (detected at start-up from ``/props`` / ``/version`` or
+Each ``Replica`` carries its dialect (detected at start-up, ``proxy.backends.detect_dialect``, or
 forced by configuration), what the server said about itself (slots, context size), the proxy's
 own count of requests in flight to it, its health and, where the server reports it, its own load.
 
-Health. A background monitor checks every replica on ``HealthChecks.interval_s``: ``GET /health``
-for llama.cpp and vLLM, ``GET /v1/models`` for any other server; a 200 within the timeout passes,
-and so does a 401 or 403 (the server is up, and wants an API key the proxy was not given:
-``--backend-api-key``; the probes and load reads send it when it is).
+Health. A background monitor checks every replica on ``HealthChecks.interval_s`` at its
+dialect's ``Capabilities.health_path`` (``GET /v1/models`` for a generic OpenAI-compatible
+server); a 200 within the timeout passes, and so does a 401 or 403 (the server is up, and wants
+an API key the proxy was not given: ``--backend-api-key``; the probes and load reads send it
+when it is).
 ``HealthChecks.failures`` consecutive failures eject the replica, and so does a connection error
 seen by live traffic (``report_failure``); one passing check brings it back. A replica that could
 not be reached at start-up starts ejected and is detected again by the same monitor, so the proxy
 can start before its backends. The same round reads each healthy backend's own load
 (``proxy.backend_metrics``), so nothing on the request path waits for a backend's metrics.
 
-Background work leaves the backend as it is. llama-server with ``--sleep-idle-seconds`` unloads
-its model when idle; ``GET /slots`` wakes it (even when it answers 501) and, awake, posts a task
-that restarts its idle timer, so polling it every round would keep the server from ever
-sleeping. ``/health``, ``/props`` and (answered from a cache while asleep) ``/metrics`` do
-neither. So each round also reads llama.cpp's ``/props``: while it says ``is_sleeping`` the
-replica is left alone (no load read, no ``/slots``; its load is zero), and a llama.cpp replica
-is *quiet* (``Replica.load_paused``) once a load read found nothing running or queued while this
-proxy had nothing in flight to it: its load is then not read again until the proxy sends it a
-request or it reports work. The scheduler's ``/slots`` reads follow the same rule
-(``Replica.may_poll_slots``). The cost: traffic that reaches a quiet server from elsewhere is
-seen at the first round after this proxy next sends it a request.
+Background work leaves the backend as it is. A server that can sleep when idle may be woken,
+or kept awake, by some background reads (a slot list, for one). A dialect whose server says
+whether it sleeps without waking names where (``Capabilities.sleep_state_path``), and each round
+reads it: while the server says it sleeps the replica is left alone (no load read, no slot
+read; its load is zero), and such a replica is *quiet* (``Replica.load_paused``) once a load read
+found nothing running or queued while this proxy had nothing in flight to it: its load is then
+not read again until the proxy sends it a request or it reports work. The scheduler's slot reads
+follow the same rule (``Replica.may_poll_slots``). The cost: traffic that reaches a quiet server
+from elsewhere is seen at the first round after this proxy next sends it a request. A server
+that does not say whether it sleeps is always read.
 
 Routing. ``route`` turns what the prefix index said about a request (matched blocks per replica,
 shared in-flight counts, the traffic-shared depth) plus health, weights and loads into
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -49,7 +49,6 @@ from proxy.backends import (
     Dialect,
     detect_dialect,
     dialect_named,
-    is_sleeping,
     probe_json,
 )
 from proxy.config import BackendSpec, HealthChecks, Settings
@@ -60,12 +59,7 @@ from proxy.routing import Candidate, Decision, Router, RoutingConfig
 log = get_logger()
 
 DEFAULT_CAPACITY_TOKENS = 131_072
-HEALTH_PATHS: Mapping[str, str] = {"llamacpp": "/health", "vllm": "/health"}
-GENERIC_HEALTH_PATH = "/v1/models"
 UP_BUT_PROTECTED = frozenset({401, 403})
-SLEEP_STATE_PATHS: Mapping[str, str] = {"llamacpp": "/props"}
-"""Where a dialect's server says whether it sleeps, without waking it; its load reads (the ones
-with side effects) pause while it is quiet. vLLM's ``/metrics`` has none: it is always read."""
 
 
 @dataclass(slots=True)
@@ -87,7 +81,7 @@ class Replica:
     """The backend's own load at the last poll; None when it does not report one."""
     load_reader: LoadReader = field(default_factory=LoadReader)
     asleep: bool = False
-    """Its ``/props`` said ``is_sleeping`` at the last round: background reads leave it be."""
+    """Its server said it sleeps at the last round: background reads leave it be."""
     load_paused: bool = False
     """Quiet at the last round (nothing running there, nothing in flight from this proxy)."""
     protected: bool = False
@@ -95,7 +89,7 @@ class Replica:
 
     @property
     def may_poll_slots(self) -> bool:
-        """Whether a background ``/slots`` read leaves the server as it is (module docstring)."""
+        """Whether a background slot read leaves the server as it is (module docstring)."""
         return not self.asleep and not self.load_paused
 
     @property
@@ -104,7 +98,7 @@ class Replica:
 
     @property
     def health_path(self) -> str:
-        return HEALTH_PATHS.get(self.dialect.name, GENERIC_HEALTH_PATH)
+        return self.dialect.capabilities.health_path
 
     def capacity_tokens(self, configured: int | None) -> int:
         """Prefix-index capacity: configured, else what the server reports, else a default."""
@@ -238,32 +232,33 @@ class Fleet:
             return
         self._pass(replica)
         await self._read_sleep(replica)
-        if replica.asleep:
-            replica.backend_load = BackendLoad(0.0, 0.0, SLEEP_STATE_PATHS[replica.dialect.name])
+        caps = replica.dialect.capabilities
+        if replica.asleep and caps.sleep_state_path is not None:
+            replica.backend_load = BackendLoad(0.0, 0.0, caps.sleep_state_path)
             return
         if not self.health.backend_load or replica.protected:  # a protected one refuses them
             replica.load_paused = replica.in_flight == 0
             return
         last = replica.backend_load
         quiet = replica.in_flight == 0 and last is not None and last.total == 0
-        if quiet and replica.dialect.name in SLEEP_STATE_PATHS:
+        if quiet and caps.sleep_state_path is not None:
             replica.load_paused = True  # quiet: the last read is still true; ask no more
             return
         replica.load_paused = False
         replica.backend_load = await replica.load_reader.read(
             self._client(),
             replica.url,
-            replica.dialect.name,
+            replica.dialect,
             timeout_s=self.health.timeout_s,
             headers=self._headers,
         )
 
     async def _read_sleep(self, replica: Replica) -> None:
-        """Whether the server sleeps, from where it says so without waking (llama.cpp /props)."""
-        path = SLEEP_STATE_PATHS.get(replica.dialect.name)
+        """Whether the server sleeps, from where it says so without waking it."""
+        path = replica.dialect.capabilities.sleep_state_path
         if path is None or replica.protected:
-            # Protected without its key: /props would be refused every round (and logged by the
-            # server), and nothing else in the background reads it anyway.
+            # Protected without its key: the sleep state would be refused every round (and
+            # logged by the server), and nothing else in the background reads it anyway.
             replica.asleep = False
             return
         status, props = await probe_json(
@@ -271,7 +266,7 @@ class Fleet:
         )
         if status in UP_BUT_PROTECTED:
             self._note_protected(replica)
-        asleep = status == 200 and is_sleeping(props)
+        asleep = status == 200 and replica.dialect.is_sleeping(props)
         if asleep != replica.asleep:
             log.info("backend_sleeping" if asleep else "backend_awake", backend=replica.url)
         replica.asleep = asleep

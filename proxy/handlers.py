@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Awaitable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -66,6 +67,26 @@ INFERENCE_PATHS = {
 }
 
 
+def added_fields(raw: bytes, original: dict[str, Any], body: dict[str, Any]) -> bytes | None:
+    """The client's bytes with the top-level fields ``body`` adds to ``original`` appended
+    (a slot id, a usage request), or None when ``body`` also drops or replaces a field.
+
+    A request no rule rewrote then reaches the backend as the client wrote it, plus only what
+    the proxy adds; re-serializing would change its spacing and escapes.
+    """
+    if any(key not in body or body[key] is not value for key, value in original.items()):
+        return None
+    end = raw.rstrip()
+    if not end.endswith(b"}") or not original:
+        return None
+    extra = b",".join(
+        orjson.dumps(key) + b":" + orjson.dumps(value)
+        for key, value in body.items()
+        if key not in original
+    )
+    return end[:-1] + b"," + extra + b"}" if extra else raw
+
+
 def _target(state: ProxyState, view: PrefixView, decision: Decision) -> Target:
     replica = state.fleet[decision.replica]
     load = state.fleet.candidate(replica, view).load
@@ -94,7 +115,9 @@ async def inference(request: web.Request) -> web.StreamResponse:
         validate_inference(route, body)
         ex.stream = body.get("stream") is True
         ex.model = body["model"] if isinstance(body.get("model"), str) else None
-        ex.canonical = canonical = state.canonicalizer.apply(route, body)
+        ex.canonical = canonical = await state.canonicalizer.canonicalize(
+            route, body, namespace=namespace
+        )
         changed = canonical.body is not body
         ex.body = body = canonical.body
         if canonical.fired:
@@ -200,7 +223,10 @@ async def _attempt(
         admitted = True
         ex.on_first_token = ticket.first_token
         edited = edited or ticket.body_changed
-        ex.upstream_body = orjson.dumps(body) if edited or ex.strip_usage else out.raw
+        ex.upstream_body = out.raw
+        if edited or ex.strip_usage:
+            spliced = None if out.changed else added_fields(out.raw, out.body, body)
+            ex.upstream_body = orjson.dumps(body) if spliced is None else spliced
         out.sent = body
         return await relay_inference(
             request,

@@ -25,7 +25,8 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.backends import STRICT_DIALECTS
+from proxy.backends import DIALECT_NAMES, STRICT_DIALECTS
+from proxy.options import option, split_items
 
 PROMPT_CACHE_KEY = "prompt_cache_key"
 
@@ -75,13 +76,37 @@ def hash_key(raw: str, tenant: str | None = None) -> int:
     return int.from_bytes(digest, "big")
 
 
+def _names(raw: Any) -> tuple[str, ...]:
+    """A repeated list of names, in lower case; ``none`` alone for no name at all."""
+    names = tuple(str(v).strip().lower() for v in split_items(raw, ","))
+    return () if names == ("none",) else names
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HostedFields:
     """What the proxy does with hosted-cache fields (from ``Settings``)."""
 
-    session_headers: Sequence[str] = DEFAULT_SESSION_HEADERS
+    session_headers: Sequence[str] = option(
+        DEFAULT_SESSION_HEADERS,
+        "request header read as the conversation's routing key when the body has no "
+        "prompt_cache_key (repeat; 'none' for no header)",
+        name="session_header",
+        repeat=True,
+        metavar="NAME",
+        parse=_names,
+    )
     """Headers read as the conversation key, in order, after the body's ``prompt_cache_key``."""
-    strip_dialects: Sequence[str] = DEFAULT_STRIP_DIALECTS
+    strip_dialects: Sequence[str] = option(
+        DEFAULT_STRIP_DIALECTS,
+        "dialects whose requests lose hosted-only fields (prompt_cache_key, "
+        "prompt_cache_retention, safety_identifier, service_tier, store, metadata) "
+        "before they go upstream (repeat; 'none' for no dialect)",
+        name="strip_hosted_fields",
+        repeat=True,
+        metavar="DIALECT",
+        parse=_names,
+        choices=DIALECT_NAMES,
+    )
     """Dialects whose requests lose ``fields``."""
     fields: Sequence[str] = HOSTED_FIELDS
 

@@ -21,6 +21,8 @@ _LEVELS = {
     "warning": logging.WARNING,
     "error": logging.ERROR,
 }
+LOG_LEVELS = tuple(_LEVELS)
+"""The levels ``--log-level`` takes."""
 _open_files: list[BinaryIO] = []
 
 

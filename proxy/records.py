@@ -174,6 +174,14 @@ class RequestRecord:
     canonical_dry_run_rules: list[str] | None = field(
         default=None, metadata=when_set("Rules that would have fired (dry-run mode).")
     )
+    canonical_notes_restored: int | None = field(
+        default=None,
+        metadata=when_set("Notes of earlier turns put back as the proxy first wrote them."),
+    )
+    canonical_note_values_omitted: int | None = field(
+        default=None,
+        metadata=when_set("Volatile values left out of the note (unchanged since it was written)."),
+    )
     canonical_stable_bytes: dict[str, int] | None = field(
         default=None,
         metadata=when_set(
@@ -197,6 +205,13 @@ class RequestRecord:
     )
     route_reason: str | None = field(
         default=None, metadata=when_set("Why the replica was chosen (affinity, miss, retry, ...).")
+    )
+    template_clock: str | None = field(
+        default=None,
+        metadata=when_set(
+            "The replica's chat template prints the clock: ``time`` or ``date`` (it changes "
+            "the prompt the model sees)."
+        ),
     )
     replica_load: float | None = field(
         default=None, metadata=when_set("The chosen replica's load when it was chosen.")
@@ -401,6 +416,20 @@ def _ms(a: float | None, b: float | None) -> float | None:
     return round((b - a) * 1000.0, 3)
 
 
+def _waited_ms(
+    stream: bool, source: TimingSource, ttft: float | None, ttfvt: float | None
+) -> float | None:
+    """What the SLO's first-token objective is judged on: the time until the user saw something.
+
+    On a stream timed at the proxy that is the first *visible* token (content or a tool call;
+    a reasoning model's thinking is not shown), and a stream that showed nothing has none. A
+    non-streamed response arrives whole: its derived TTFT.
+    """
+    if stream and source == "observed":
+        return ttfvt
+    return ttft
+
+
 def derive_latencies(
     obs: Observation, *, stream: bool
 ) -> tuple[float | None, float | None, float | None, TimingSource]:
@@ -571,7 +600,9 @@ class RecordBuilder:
             proxy_overhead_ms=round(overhead * 1000.0, 3),
             saved_prefill_ms=saved_ms,
             saved_usd=self.pricing.saved_usd(cached),
-            slo_met=self.slo.met(status if error is None else 599, ttft, tpot),
+            slo_met=self.slo.met(
+                status if error is None else 599, _waited_ms(stream, source, ttft, ttfvt), tpot
+            ),
             dialect=dialect,
             timing_source=source,
             reasoning_tokens=obs.reasoning_tokens,

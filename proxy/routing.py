@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from proxy.options import option
+
 ROUND_ROBIN = "round-robin"
 LEAST_LOADED = "least-loaded"
 PREFIX_AFFINITY = "prefix-affinity"
@@ -70,17 +72,48 @@ _BELOW_ONE = 1.0 - 2.0**-53
 class RoutingConfig:
     """How to choose among several replicas (``ValueError`` on an impossible value)."""
 
-    policy: str = PREFIX_AFFINITY
+    policy: str = option(
+        PREFIX_AFFINITY, "how requests are spread over several backends", choices=POLICIES
+    )
     """One of ``POLICIES``; with a single replica every policy answers ``"single"``."""
-    min_affinity_blocks: int = 2
+    min_affinity_blocks: int = option(
+        2,
+        "prefix-affinity: blocks a replica must hold beyond the prefix most traffic shares "
+        "before the request follows it",
+        cast=int,
+        metavar="N",
+    )
     """A match counts as affinity when it exceeds the traffic-shared depth by this many blocks."""
-    load_gate_ratio: float = 1.5
+    load_gate_ratio: float = option(
+        1.5,
+        "prefix-affinity: a replica loaded above RATIO x the fleet mean (plus 2 requests) "
+        "loses its affinity traffic to the least loaded replica",
+        cast=float,
+        metavar="RATIO",
+    )
     """A replica with load above ``ratio * mean + slack`` is not chosen for affinity."""
-    load_gate_slack: float = 2.0
+    load_gate_slack: float = option(
+        2.0,
+        "prefix-affinity: requests added to the load gate's limit, so a nearly idle fleet "
+        "never gates",
+        cast=float,
+        metavar="N",
+    )
     """Absolute slack, in requests, so that an idle or lightly used fleet never gates."""
-    shared_share: float = 0.5
+    shared_share: float = option(
+        0.5,
+        "prefix-affinity: a leading block carried by at least this share of recent requests is "
+        "shared by most traffic and never counts as affinity",
+        cast=float,
+        metavar="SHARE",
+    )
     """A block is shared by most traffic when at least this share of recent requests carry it."""
-    min_window_requests: int = 16
+    min_window_requests: int = option(
+        16,
+        "prefix-affinity: below this many requests in the traffic window no block counts as shared",
+        cast=int,
+        metavar="N",
+    )
     """Below this many requests in the traffic window no block counts as shared (a single
     conversation is not "most traffic")."""
 

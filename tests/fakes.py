@@ -209,6 +209,7 @@ class FakeBackend:
         self.knobs = knobs or Knobs()
         self.requests: list[dict[str, Any]] = []
         self.last_body: dict[str, Any] | None = None
+        self.last_raw: bytes | None = None
         self.last_headers: Mapping[str, str] = {}
         self.last_query: Mapping[str, str] = {}
         self.closed = asyncio.Event()  # an unfinished response was abandoned by the client
@@ -360,6 +361,7 @@ class FakeBackend:
 
     async def _capture(self, request: web.Request) -> dict[str, Any] | web.Response:
         raw = await request.read()
+        self.last_raw = raw
         self.last_headers = request.headers.copy()  # case-insensitive, like HTTP
         self.last_query = dict(request.query)
         try:

@@ -128,6 +128,12 @@ def _replica_view(replica: Replica) -> dict[str, Any]:
         "load": round(replica.load(), 3),
         "dialect": replica.dialect.name,
         "weight": replica.spec.weight,
+        # The backend's template prints the date or time into every prompt: no rewrite helps.
+        "template_clock": (
+            replica.info.template_clock.as_dict()
+            if replica.info is not None and replica.info.template_clock is not None
+            else None
+        ),
     }
 
 

@@ -1,9 +1,11 @@
 """The interface every backend dialect implements, and the OpenAI-compatible default.
 
-A dialect knows three things about its server: how to prepare a request body before it goes
+A dialect knows four things about its server: how to prepare a request body before it goes
 upstream (ask for usage on streams), how to read token counts, cache hits and timings out of a
-response or a stream event, and what the server says about itself at start-up (slots, context).
-Everything outside ``proxy/backends/`` talks to a ``Dialect`` and never names a server.
+response or a stream event, what the server says about itself at start-up (slots, context), and
+its ``Capabilities``: where its health is checked, whether and where it says it sleeps, where its
+load comes from, whether it has slots (and their API), whether its prefix cache is shared by every
+request. Everything outside ``proxy/backends/`` asks a ``Dialect`` and never names a server.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from proxy.backends.apis import (
     read_api_response,
 )
 from proxy.backends.events import EventKind as EventKind  # re-exported: its old home
+from proxy.backends.load import LoadSource
+from proxy.backends.slot_api import SlotApi
+from proxy.backends.template_clock import TemplateClock
 from proxy.records import Observation
 
 CHAT = "/v1/chat/completions"
@@ -42,6 +47,8 @@ class BackendInfo:
     ctx_per_slot: int | None = None
     protected: bool = False
     """It refused the proxy's start-up probes for want of an API key (``--backend-api-key``)."""
+    template_clock: TemplateClock | None = None
+    """Its chat template prints the date or time into every prompt (``template_clock``)."""
 
     @property
     def capacity_tokens(self) -> int | None:
@@ -49,6 +56,24 @@ class BackendInfo:
         if self.slots and self.ctx_per_slot:
             return self.slots * self.ctx_per_slot
         return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Capabilities:
+    """What a kind of server offers the proxy besides inference; the generic server's defaults."""
+
+    health_path: str = "/v1/models"
+    """What a health check asks (a 200 passes)."""
+    sleep_state_path: str | None = None
+    """Where the server says whether it sleeps, without waking it (``Dialect.is_sleeping`` reads
+    the answer); None: it never sleeps, or does not say. A server that says so is left alone
+    while asleep, and its load is not read again while it is quiet."""
+    load_sources: tuple[LoadSource, ...] = ()
+    """Where it reports its own running and queued requests, in the order they are tried."""
+    slots: SlotApi | None = None
+    """Its slots, when requests can be pinned to one (each slot keeps its own prefix cache)."""
+    shared_prefix_cache: bool = True
+    """One prefix cache serves every request, so a request may wait for another's prefill."""
 
 
 def _int(value: Any) -> int | None:
@@ -69,6 +94,9 @@ class Dialect:
     """An OpenAI-compatible server: usage in ``usage``, cached tokens when it reports them."""
 
     name = "openai"
+    provider_name = "openai"
+    """The server's name in OpenTelemetry's GenAI conventions (``gen_ai.provider.name``)."""
+    capabilities = Capabilities()
     ignores_unknown_fields = False
     """Whether the server ignores body fields it does not know. A generic OpenAI-compatible
     server may be strict and answer 400 to hosted-only fields (``proxy.hosted``), so by default
@@ -152,6 +180,10 @@ class Dialect:
             if _nonempty(delta.get("reasoning_content")) or _nonempty(delta.get("reasoning")):
                 kind = EventKind.TOKEN
         return kind
+
+    def is_sleeping(self, state: Any) -> bool:
+        """Whether an answer from ``Capabilities.sleep_state_path`` says the server is asleep."""
+        return False
 
     def carries_slot(self, route: str) -> bool:
         """Whether the server honours a slot id (``id_slot``) in a request on ``route``."""

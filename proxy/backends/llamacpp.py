@@ -11,19 +11,40 @@ from proxy.backends.apis import MESSAGES
 from proxy.backends.base import (
     NATIVE_COMPLETION,
     BackendInfo,
+    Capabilities,
     Dialect,
     EventKind,
     _float,
     _int,
     _nonempty,
 )
+from proxy.backends.load import LoadSource
+from proxy.backends.slot_api import SlotApi
+from proxy.backends.template_clock import probe_template_clock
 from proxy.records import Observation
+
+CAPABILITIES = Capabilities(
+    health_path="/health",
+    # /health, /props and (answered from a cache while asleep) /metrics leave a server started
+    # with --sleep-idle-seconds asleep; /slots wakes it and restarts its idle timer.
+    sleep_state_path="/props",
+    load_sources=(
+        # /slots first (on by default): a /metrics scrape (needs --metrics) resets the windowed
+        # throughput gauges (llamacpp:prompt_tokens_seconds...) an operator's own scrape reads.
+        LoadSource("/slots"),
+        LoadSource("/metrics", "llamacpp:requests_processing", "llamacpp:requests_deferred"),
+    ),
+    slots=SlotApi(field="id_slot"),
+    shared_prefix_cache=False,  # one prompt cache per slot, plus the RAM prompt cache
+)
 
 
 class LlamaCppDialect(Dialect):
     """llama-server. Cached tokens are always reported (``timings.cache_n``, also in usage)."""
 
     name = "llamacpp"
+    provider_name = "llama.cpp"
+    capabilities = CAPABILITIES
     ignores_unknown_fields = True  # it reads the fields it knows from the JSON and no others
 
     def read_timings(self, obj: Mapping[str, Any], obs: Observation) -> None:
@@ -71,6 +92,9 @@ class LlamaCppDialect(Dialect):
         self.read_timings(obj, obs)
         return kind
 
+    def is_sleeping(self, state: Any) -> bool:
+        return is_sleeping(state)
+
     def carries_slot(self, route: str) -> bool:
         # The Messages route rebuilds the request from a fixed list of fields: no ``id_slot``.
         return route != MESSAGES
@@ -95,11 +119,15 @@ class LlamaCppDialect(Dialect):
         settings = props.get("default_generation_settings")
         n_ctx = _int(settings.get("n_ctx")) if isinstance(settings, Mapping) else None
         alias = props.get("model_alias")
+        clock = await probe_template_clock(
+            session, base_url, props.get("chat_template"), headers=headers
+        )
         return BackendInfo(
             dialect=self.name,
             model=alias if isinstance(alias, str) else None,
             slots=_int(props.get("total_slots")),
             ctx_per_slot=n_ctx,
+            template_clock=clock,
         )
 
 

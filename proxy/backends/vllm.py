@@ -15,8 +15,9 @@ from typing import Any
 import aiohttp
 
 from proxy.backends.apis import MESSAGES
-from proxy.backends.base import CHAT, BackendInfo, Dialect, EventKind, _float
+from proxy.backends.base import CHAT, BackendInfo, Capabilities, Dialect, EventKind, _float
 from proxy.backends.llamacpp import fetch_json
+from proxy.backends.load import LoadSource
 from proxy.records import Observation
 
 
@@ -31,10 +32,23 @@ def tenant_cache_salt(tenant: str, client_salt: object = None) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+CAPABILITIES = Capabilities(
+    health_path="/health",
+    # Summed over label sets (one per model name / engine); it never sleeps as far as the proxy
+    # can tell, so it is always read.
+    load_sources=(
+        LoadSource("/metrics", "vllm:num_requests_running", "vllm:num_requests_waiting"),
+    ),
+    shared_prefix_cache=True,  # one block cache for every request
+)
+
+
 class VllmDialect(Dialect):
     """vLLM (V1 engine)."""
 
     name = "vllm"
+    provider_name = "vllm"
+    capabilities = CAPABILITIES
     # Its request models allow extra fields ("fields were present in the request but ignored",
     # logged at debug), so hosted-only fields pass harmlessly.
     ignores_unknown_fields = True

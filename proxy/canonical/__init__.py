@@ -6,8 +6,9 @@ The backend's prefix cache stops at the first differing byte, so each of these t
 everything after it. The rules here undo those differences without changing what the request
 means, so the backend's cache hits.
 
-    stable_json          tool schemas, tool order and tool-call arguments in one JSON order
-    whitespace           line endings and line-end blanks in system prompts and tool docs
+    stable_json          tool schemas, tool order and tool-call arguments: the first form seen
+    whitespace           line endings and line-end blanks in system prompts and tool docs: the
+                         first spelling seen (proxy.canonical.learned)
     volatile_timestamps  dates and times in the stable segments move to a note (see relocation)
     volatile_uuids       UUIDs, likewise
     volatile_hex_ids     long hex ids, likewise

@@ -5,7 +5,9 @@ Built once at start-up from the TOML file's ``[canonical]`` table by ``config_fr
     [canonical]
     enabled = true
     dry_run = false                      # compute and report, forward the original
-    note_placement = "user_prefix"       # user_prefix | user_suffix | last_suffix | system_suffix
+    note_placement = "last_suffix"       # last_suffix | user_suffix | user_prefix | system_suffix
+    note_memory = true                   # restore earlier turns' notes; state only what changed
+    note_memory_ttl_s = 86400            # how long a note is remembered (renewed on each turn)
     note_format = "{entries}"            # {entries}: one "[[date_1]] = <value>" line each
 
     [canonical.rules.stable_json]
@@ -161,8 +163,10 @@ class CanonicalConfig:
     dry_run: bool = False
     rules: Mapping[str, RuleConfig] = field(default_factory=default_rules)
     custom_patterns: tuple[CustomPattern, ...] = ()
-    note_placement: NotePlacement = "user_prefix"
+    note_placement: NotePlacement = "last_suffix"
     note_format: str = DEFAULT_NOTE_FORMAT
+    note_memory: bool = True
+    note_memory_ttl_s: float = 86_400.0
 
     def __post_init__(self) -> None:
         unknown = set(self.rules) - set(RULE_NAMES)
@@ -244,7 +248,16 @@ def _patterns(items: Any) -> tuple[CustomPattern, ...]:
 
 def config_from_mapping(table: Mapping[str, Any]) -> CanonicalConfig:
     """The canonicalizer's settings from the ``[canonical]`` table (missing keys: defaults)."""
-    known = {"enabled", "dry_run", "note_placement", "note_format", "rules", "patterns"}
+    known = {
+        "enabled",
+        "dry_run",
+        "note_placement",
+        "note_format",
+        "note_memory",
+        "note_memory_ttl_s",
+        "rules",
+        "patterns",
+    }
     unknown = set(table) - known
     if unknown:
         raise ConfigError(f"unknown key(s) in [canonical]: {', '.join(sorted(unknown))}")
@@ -255,7 +268,10 @@ def config_from_mapping(table: Mapping[str, Any]) -> CanonicalConfig:
     if unknown:
         raise ConfigError(f"unknown canonical rule(s): {', '.join(sorted(unknown))}")
     rules = {name: _rule(name, rules_table.get(name, {})) for name in RULE_NAMES}
-    placement = table.get("note_placement", "user_prefix")
+    placement = table.get("note_placement", "last_suffix")
+    ttl = table.get("note_memory_ttl_s", 86_400.0)
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
+        raise ConfigError(f"canonical.note_memory_ttl_s must be a positive number, not {ttl!r}")
     note_format = table.get("note_format", DEFAULT_NOTE_FORMAT)
     if not isinstance(note_format, str):
         raise ConfigError("canonical.note_format must be a string")
@@ -266,4 +282,6 @@ def config_from_mapping(table: Mapping[str, Any]) -> CanonicalConfig:
         custom_patterns=_patterns(table.get("patterns", [])),
         note_placement=placement,
         note_format=note_format,
+        note_memory=_bool("canonical.note_memory", table.get("note_memory", True)),
+        note_memory_ttl_s=float(ttl),
     )

@@ -14,7 +14,8 @@ Timestamps recognised (``volatile_timestamps``):
 - numeric: ``11/30/2026``, ``30/11/2026``, ``30.11.2026`` (four-digit year only);
 - clock times with seconds (``22:41:07``) or AM/PM (``10:41 PM``), with a zone if one follows;
 - epoch seconds or milliseconds after a keyword: ``timestamp: 1764542467``,
-  ``epoch=1764542467000``, ``current time 1764542467`` (the number is the value).
+  ``epoch=1764542467000``, ``current time 1764542467``, ``Clock: 1764542467``,
+  ``updated_at=1764542467`` (the number is the value).
 
 Off unless asked: bare ``HH:MM`` (``bare_times``) and bare epoch numbers (``bare_epochs``), which
 match scores, ratios, verses, phone and order numbers about as often as clock readings.
@@ -96,7 +97,8 @@ _P_TIME = re.compile(_TIME)
 _P_BARE_TIME = re.compile(_BARE_TIME)
 _P_EPOCH = re.compile(rf"(?<![0-9.])1{_D}{{9}}(?:{_D}{{3}})?(?:\.{_D}{{1,6}})?(?!\.?[0-9])")
 _P_EPOCH_KEYWORD = re.compile(
-    r"(?i:\b(?:unix time(?:stamp)?|timestamp|time|epoch|now|ts)\b)[ \t]*(?:[:=]|is)?[ \t]*\Z"
+    r"(?i:\b(?:unix time(?:stamp)?|timestamp|time|epoch|now|ts|clock|date"
+    r"|(?:created|updated|generated|issued|sent)(?:[ _]at)?)\b)[ \t]*(?:[:=]|is)?[ \t]*\Z"
 )
 _UUID_TAIL = re.compile(  # from the first dash: a literal prefix, which re searches fast
     r"-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}(?![0-9A-Za-z])"

@@ -8,6 +8,11 @@
    ``custom_patterns``): each a set of detectors over the stable segments; their values go
    through one relocation, so the model sees one note however many rules found something.
 
+Learned forms. With a ``FormMemory`` (the proxy always has one) ``stable_json`` and
+``whitespace`` rewrite a part only to the form first seen for it (``proxy.canonical.learned``):
+the first request of a set, and an application that is already stable, pass untouched.
+``canonicalize`` (async) also consults the store for forms other proxies learned.
+
 Modes. A rule that is off does nothing. A rule in dry-run computes what it would change and
 reports it (``dry_run_fired``, ``changes``, ``stable_bytes_gained``) but the next rule starts
 from the body it was given. Global dry-run runs every rule as if it applied, so the report is
@@ -54,7 +59,10 @@ from proxy.canonical.config import (
     RuleConfig,
 )
 from proxy.canonical.detectors import build_detectors
+from proxy.canonical.forms import FormMemory, FormView
 from proxy.canonical.gain import GainMeter
+from proxy.canonical.learned import PartLister, learned_rule, stable_json_parts, whitespace_parts
+from proxy.canonical.notes import NoteContext, NoteMemory
 from proxy.canonical.outcome import Change, RuleOutcome, Skip
 from proxy.canonical.relocation import (
     DetectionCache,
@@ -86,6 +94,9 @@ REWRITE_RULES: tuple[tuple[str, RewriteRule], ...] = (
 API_REWRITE_RULES: tuple[tuple[str, RewriteRule], ...] = (
     (STABLE_JSON, api_stable_json),
     (WHITESPACE, api_whitespace),
+)
+LEARNED_PARTS: Mapping[str, PartLister] = MappingProxyType(
+    {STABLE_JSON: stable_json_parts, WHITESPACE: whitespace_parts}
 )
 
 
@@ -121,6 +132,14 @@ class CanonicalResult:
     changes: tuple[Change, ...] = ()
     skipped: tuple[Skip, ...] = ()
     meter: GainMeter | None = field(default=None, repr=False, compare=False)
+    learned: Mapping[str, bytes] = field(default_factory=dict, repr=False, compare=False)
+    """Forms this request taught the proxy (first seen here), for ``FormMemory.settle``."""
+    recall_notes: tuple[str, ...] = ()
+    """Note-memory keys to recall before applying again (``apply(defer_notes=True)``)."""
+    notes_restored: int = 0
+    """Notes of earlier turns put back into the history."""
+    note_values_omitted: int = 0
+    """Values the new note leaves out because a restored note already states them."""
 
     @property
     def stable_bytes_gained(self) -> dict[str, int]:
@@ -140,9 +159,11 @@ class CanonicalResult:
 class _Run:
     """The state of one ``apply`` call."""
 
-    __slots__ = ("body", "changes", "dry", "fired", "meter", "skipped")
+    __slots__ = ("body", "changes", "deferred", "dry", "fired", "meter", "notes", "skipped")
 
     def __init__(self, route: str, body: dict[str, Any]) -> None:
+        self.notes: NoteContext | None = None
+        self.deferred = False
         self.body = body
         self.meter = GainMeter(route)
         self.fired: list[str] = []
@@ -154,8 +175,24 @@ class _Run:
 class Canonicalizer:
     """Rewrites request bodies so that their stable part is byte-identical every time."""
 
-    def __init__(self, config: CanonicalConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: CanonicalConfig | None = None,
+        *,
+        forms: FormMemory | None = None,
+        notes: NoteMemory | None = None,
+    ) -> None:
         self.config = config if config is not None else CanonicalConfig()
+        self.forms = forms
+        """Learned forms (``proxy.canonical.learned``): with them ``stable_json`` and
+        ``whitespace`` rewrite a part only to the form first seen for it; without, to their
+        fixed normal form."""
+        # The note memory (``proxy.canonical.notes``); its store is attached at start-up.
+        self.notes = (
+            (notes or NoteMemory(ttl_s=self.config.note_memory_ttl_s))
+            if self.config.note_memory
+            else None
+        )
         self._detectors = build_detectors(self.config)
         self._detection_cache = DetectionCache()
         self._fired = dict.fromkeys(RULE_NAMES, 0)
@@ -183,17 +220,68 @@ class Canonicalizer:
         """Requests in which a rule failed and was skipped: a bug, always worth a look."""
         return MappingProxyType(self._errors)
 
-    def apply(self, route: str, body: dict[str, Any]) -> CanonicalResult:
-        """Canonicalize one request body (never mutated) for ``route``."""
+    def apply(
+        self,
+        route: str,
+        body: dict[str, Any],
+        *,
+        namespace: str = "default",
+        defer_notes: bool = False,
+    ) -> CanonicalResult:
+        """Canonicalize one request body (never mutated) for ``route``, with the forms and
+        notes this proxy knows for ``namespace`` (the tenant).
+
+        With ``defer_notes``, a request whose history needs note-memory entries not held in
+        this process comes back unchanged with ``recall_notes`` naming them: recall them
+        (``self.notes.recall``) and apply again. ``canonicalize`` does all of that.
+        """
+        result = self._apply(route, body, namespace, defer_notes)
+        if not result.recall_notes:
+            self._count(result)
+        return result
+
+    async def canonicalize(
+        self, route: str, body: dict[str, Any], *, namespace: str = "default"
+    ) -> CanonicalResult:
+        """``apply``, with what other proxies sharing the store learned: notes of earlier
+        turns this process does not hold, and forms of parts it has not seen, are looked up in
+        the store (a bounded round trip each, only then), and the request is canonicalized
+        again with them."""
+        result = self._apply(route, body, namespace, True)
+        if result.recall_notes and self.notes is not None:
+            await self.notes.recall(namespace, result.recall_notes)
+            result = self._apply(route, body, namespace, False)
+        forms = self.forms
+        if forms is not None and result.learned and await forms.settle(namespace, result.learned):
+            result = self._apply(route, body, namespace, False)
+        self._count(result)
+        return result
+
+    def _count(self, result: CanonicalResult) -> None:
+        for name in result.fired:
+            self._fired[name] += 1
+        for name in result.dry_run_fired:
+            self._dry[name] += 1
+        for name in {s.rule for s in result.skipped}:
+            self._skipped[name] += 1
+
+    def _apply(
+        self, route: str, body: dict[str, Any], namespace: str, defer_notes: bool
+    ) -> CanonicalResult:
         config = self.config
         kind = request_kind(route)
         if not config.enabled or kind is None or type(body) is not dict:
             return CanonicalResult(body)
         run = _Run(route, body)
+        if self.notes is not None and kind == "chat":
+            run.notes = NoteContext(self.notes, namespace, defer_notes)
         api = kind in API_KINDS
+        view = self.forms.view(namespace) if self.forms is not None else None
         for name, rule_fn in API_REWRITE_RULES if api else REWRITE_RULES:
             rule = config.rule(name)
             if rule.enabled:
+                if view is not None and name in LEARNED_PARTS:
+                    rule_fn = self._learned(view, name, rule_fn, api)
                 self._rewrite(run, name, rule, rule_fn, kind)
         if (kind == "chat" or api) and self._detectors:
             try:
@@ -202,12 +290,9 @@ class Canonicalizer:
                 for name in self._detectors:
                     self._errors[name] += 1
                     run.skipped.append(Skip(name, "error"))
-        for name in run.fired:
-            self._fired[name] += 1
-        for name in run.dry:
-            self._dry[name] += 1
-        for name in {s.rule for s in run.skipped}:
-            self._skipped[name] += 1
+            if run.deferred:
+                assert run.notes is not None
+                return CanonicalResult(body, recall_notes=tuple(run.notes.missing))
         run.meter.finish(run.body, forwarded=not config.dry_run)
         return CanonicalResult(
             body=body if config.dry_run else run.body,
@@ -217,7 +302,18 @@ class Canonicalizer:
             skipped=tuple(run.skipped),
             # Gains are measured on the chat layout only (the other APIs' are not mapped yet).
             meter=run.meter if (run.fired or run.dry) and not api else None,
+            learned=_learned(view),
+            notes_restored=run.notes.restored if run.notes else 0,
+            note_values_omitted=run.notes.omitted if run.notes else 0,
         )
+
+    def _learned(self, view: FormView, name: str, fixed: RewriteRule, api: bool) -> RewriteRule:
+        """Rule ``name`` rewriting each part only to its first-seen form (``learned``)."""
+        ws = self.config.rule(WHITESPACE)
+        also = None
+        if name == STABLE_JSON and ws.enabled:
+            also = (api_whitespace if api else whitespace, ws)
+        return partial(learned_rule, name, fixed, LEARNED_PARTS[name], view, also=also)
 
     def _rewrite(
         self, run: _Run, name: str, rule: RuleConfig, rule_fn: RewriteRule, kind: str
@@ -263,9 +359,15 @@ class Canonicalizer:
                 normalise_note=ws.enabled and not ws.dry_run,
                 taken=taken,
                 find_target=finder,
+                notes=notes,
             )
 
+        notes = run.notes if not config.dry_run else None
         applied = relocate_spans(active)
+        if applied.deferred:
+            run.deferred = True
+            return
+        notes = None  # the dry-run pass below must not touch the memory
         run.skipped += applied.skipped
         if applied.rules:
             run.changes += applied.changes
@@ -301,3 +403,7 @@ class Canonicalizer:
 
 def _same(body: dict[str, Any]) -> dict[str, Any]:
     return body
+
+
+def _learned(view: FormView | None) -> Mapping[str, bytes]:
+    return {} if view is None else view.learned

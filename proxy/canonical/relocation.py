@@ -76,6 +76,7 @@ nothing. A value never spans a line break.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -84,6 +85,13 @@ from typing import Any, NamedTuple
 from proxy.canonical.config import NotePlacement
 from proxy.canonical.detectors import Detector, Found, ascii_view
 from proxy.canonical.draft import Draft, Path, format_path
+from proxy.canonical.notes import (
+    NoteContext,
+    NoteEntry,
+    message_keys,
+    restore_history,
+    seed_of,
+)
 from proxy.canonical.outcome import Change, Skip
 from proxy.canonical.slots import (
     TextSlot,
@@ -375,6 +383,7 @@ class Relocation:
     skipped: tuple[Skip, ...]
     rules: tuple[str, ...]  # the rules whose values were relocated, in pipeline order
     note_message: int = -1  # index of the message that holds the note
+    deferred: bool = False  # left alone until the note memory's missing entries are recalled
 
 
 def relocate(
@@ -387,12 +396,17 @@ def relocate(
     normalise_note: bool,
     taken: frozenset[str] = frozenset(),
     find_target: TargetFinder | None = None,
+    notes: NoteContext | None = None,
 ) -> Relocation:
     """Replace the values of ``spans`` by placeholders and place the note, or skip entirely.
 
     ``taken``: placeholders the prompt already holds (see ``placeholders_in``).
     ``find_target``: where the note goes in this request's layout (default: ``note_target``,
     a chat request's).
+    ``notes``: the note memory (``proxy.canonical.notes``): the notes of earlier turns are put
+    back into the history and the new note states only the values that changed. With
+    ``notes.defer_misses``, a request whose history needs entries not held locally is left
+    alone (``Relocation.deferred``) until they are recalled.
     """
     rules = tuple(r for r in rule_order if any(f.rule == r for sf in spans for f in sf.finds))
     if not rules:
@@ -403,21 +417,64 @@ def relocate(
         return Relocation(body, body, (), {}, (), skipped, ())
     placeholders = assign_placeholders(spans, taken)
     replaced = replace(body, spans, placeholders)
-    note = note_text(placeholders, note_format)
-    if normalise_note and placement == "system_suffix":
-        note = normalise(note, strip_end=True)[0]
-    # The target message may itself be a slot (system_suffix): take its rewritten content.
-    content = Draft(replaced).get(target.path)
-    final, note_path = place_note(replaced, dataclasses.replace(target, content=content), note)
+    stated: Mapping[tuple[str, str], str] = placeholders
+    remembered = notes is not None and placement != "system_suffix" and target.where is None
+    if remembered:
+        assert notes is not None
+        seed = seed_of(notes.namespace, replaced, _stable_texts(replaced, spans))
+        keys = message_keys(body, seed)
+        restored = restore_history(replaced, keys, target.index, notes, _restore_note)
+        if restored is None:
+            return Relocation(body, body, (), {}, (), (), (), deferred=True)
+        replaced, known = restored
+        stated = {k: ph for k, ph in placeholders.items() if known.get(ph) != k[1]}
+        notes.restated += len(stated)
+        notes.omitted += len(placeholders) - len(stated)
     changes = [
         Change(f.rule, format_path(slot.path), "placeholder", n)
         for slot, finds in spans
         for f, n in _counts(finds)
     ]
-    changes += [Change(rule, note_path, "note", 1) for rule in rules]
+    if stated:
+        note = note_text(stated, note_format)
+        if normalise_note and placement == "system_suffix":
+            note = normalise(note, strip_end=True)[0]
+        # The target message may itself be a slot (system_suffix): take its rewritten content.
+        content = Draft(replaced).get(target.path)
+        final, note_path = place_note(replaced, dataclasses.replace(target, content=content), note)
+        changes += [Change(rule, note_path, "note", 1) for rule in rules]
+    else:  # every value is already stated by a note in the history
+        final, note = replaced, ""
+    if remembered:
+        assert notes is not None
+        part_type = target.part_type
+        values = tuple((ph, value) for (_, value), ph in stated.items())
+        notes.memory.put(
+            notes.namespace,
+            keys[target.index],
+            NoteEntry(note, target.prefix, part_type, values),
+        )
     return Relocation(
         final, replaced, tuple(spans), placeholders, tuple(changes), (), rules, target.index
     )
+
+
+def _stable_texts(body: dict[str, Any], spans: Sequence[SlotFinds]) -> list[str]:
+    """The stable segments as forwarded (their values are placeholders), for the memory's key."""
+    draft = Draft(body)
+    texts = [str(draft.get(sf.slot.path)) for sf in spans]
+    tools = body.get("tools")
+    if tools is not None:
+        texts.append(json.dumps(tools, sort_keys=True, ensure_ascii=False))
+    return texts
+
+
+def _restore_note(
+    body: dict[str, Any], index: int, content: str | list[Any], entry: NoteEntry
+) -> dict[str, Any]:
+    """``body`` with a remembered note put back into message ``index``, where it was."""
+    target = NoteTarget(index, content, entry.prefix, part_type=entry.part_type)
+    return place_note(body, target, entry.note)[0]
 
 
 def _counts(finds: Sequence[Found]) -> list[tuple[Found, int]]:

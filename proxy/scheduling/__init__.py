@@ -7,9 +7,11 @@ Routing chooses the replica; scheduling happens after that and before the relay:
 * ``coalesce`` — for servers with one shared prefix cache (vLLM), holding a request until the
   in-flight request prefilling its prefix has its first token;
 * ``fanout`` — copying a slot that holds a hot prefix into idle slots (llama.cpp);
-* ``slot_api`` — llama-server's ``/slots`` endpoints (reading slots, saving and restoring them);
 * ``rates`` — each replica's measured prefill and decode speed, which every estimate uses;
 * ``scheduler`` — the ``Scheduler`` the handlers call, and its ``Ticket`` per request.
+
+Which feature applies to a replica is its dialect's ``Capabilities`` (slots and their API, a
+shared prefix cache); the slot endpoints are ``proxy.backends.slot_api``.
 """
 
 from proxy.fingerprint import common_blocks

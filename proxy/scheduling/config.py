@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from proxy.options import option, to_bool
+
 SLOT_MODES = ("auto", "on", "off")
 KV_UNIFIED_MODES = ("auto", "on", "off")
 
@@ -26,19 +28,51 @@ KV_UNIFIED_MODES = ("auto", "on", "off")
 class SchedulingConfig:
     """How requests are placed on a replica once routing has chosen it."""
 
-    slot_scheduling: str = "auto"
-    coalesce: bool = True
-    coalesce_max_wait_ms: float = 2000.0
-    fanout: bool = False
+    slot_scheduling: str = option(
+        "auto",
+        "llama.cpp: pin requests sharing a prefix to the slot that holds it (id_slot): "
+        "auto (on, but off on a replica while other traffic reaches it), on, off",
+        metavar="MODE",
+        choices=SLOT_MODES,
+    )
+    coalesce: bool = option(
+        True,
+        "vLLM and other shared-cache servers: hold a request until an in-flight request "
+        "prefilling its prefix has its first token",
+        cast=to_bool,
+        metavar="on|off",
+    )
+    coalesce_max_wait_ms: float = option(
+        2000.0, "longest a request is held for another one's prefill", cast=float, metavar="MS"
+    )
+    fanout: bool = option(
+        False,
+        "llama.cpp with --slot-save-path: copy a busy slot's prefix into an idle slot so "
+        "requests sharing it decode in parallel",
+        cast=to_bool,
+        metavar="on|off",
+    )
     min_prefix_tokens: int = 256
     """A shared prefix shorter than this is not worth a wait (coalescing) or a copy (fan-out)."""
     slots_poll_s: float = 2.0
     """How often ``GET /slots`` is read on a llama.cpp replica the proxy pins (0: never)."""
     foreign_backoff_s: float = 60.0
     """``auto``: how long pinning stays off after traffic from elsewhere was seen on a replica."""
-    server_slot_similarity: float = 0.1
+    server_slot_similarity: float = option(
+        0.1,
+        "llama.cpp: the --slot-prompt-similarity the replicas run with (their default 0.10; 0 "
+        "makes them restore conversations from their RAM cache): the cache model follows it",
+        cast=float,
+        metavar="F",
+    )
     """llama.cpp: the replicas' ``--slot-prompt-similarity`` (the cache model follows it)."""
-    server_kv_unified: str = "auto"
+    server_kv_unified: str = option(
+        "auto",
+        "llama.cpp: whether the replicas run with a unified KV cache (their default without -np): "
+        "auto (learned from /slots), on, off",
+        metavar="MODE",
+        choices=KV_UNIFIED_MODES,
+    )
     """llama.cpp: unified KV on the replicas: ``auto`` (learned from ``/slots``), on, off."""
 
     def __post_init__(self) -> None:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from proxy.backends.slot_api import SlotEndpoint
 from proxy.records import monotonic
-from proxy.scheduling.slot_api import SlotEndpoint
 from proxy.scheduling.slots import (
     SLOT_FANOUT,
     SLOT_HIT,

@@ -30,18 +30,18 @@ import contextlib
 import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
-from proxy.backends.llamacpp_cache import SOURCE_NONE, SOURCE_SLOT, ServerRules
+from proxy.backends import BackendInfo, Dialect, SlotApi, SlotEndpoint
+from proxy.backends.slot_cache import SOURCE_NONE, SOURCE_SLOT, ServerRules
 from proxy.log import get_logger
 from proxy.records import Observation, RequestRecord, monotonic
 from proxy.scheduling.coalesce import InflightPrefixes, Leader, wait_for_leader
 from proxy.scheduling.config import SchedulingConfig
 from proxy.scheduling.fanout import FanOut
 from proxy.scheduling.rates import Rates
-from proxy.scheduling.slot_api import SlotEndpoint
 from proxy.scheduling.slots import (
     SLOT_BUSY,
     SLOT_CLIENT,
@@ -55,7 +55,6 @@ from proxy.scheduling.slots import (
 )
 
 if TYPE_CHECKING:
-    from proxy.fleet import Replica
     from proxy.prefixes import PrefixView
 
 log = get_logger()
@@ -76,11 +75,20 @@ def requested_output(body: Mapping[str, Any]) -> float | None:
     return None
 
 
-def _client_slot(body: Mapping[str, Any]) -> int | None:
-    value = body.get("id_slot")
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
+class Replica(Protocol):
+    """What the scheduler reads of a replica (``proxy.fleet.Replica`` is one)."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def dialect(self) -> Dialect: ...
+
+    @property
+    def info(self) -> BackendInfo | None: ...
+
+    @property
+    def may_poll_slots(self) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -114,6 +122,8 @@ class Ticket:
     cache_source: str | None = None
     """Where the model expects them from: ``slot``, ``ram`` (its RAM prompt cache), ``none``."""
     measured: bool = False
+    slot_api: SlotApi | None = None
+    """The replica's slot API, when the request was placed on a slot."""
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     def first_token(self, event: Mapping[str, Any]) -> None:
@@ -123,8 +133,8 @@ class Ticket:
             return
         now = monotonic()
         if self.task is not None and state.table is not None:
-            reported = event.get("id_slot")
-            reported = reported if isinstance(reported, int) and reported >= 0 else None
+            api = self.slot_api
+            reported = api.reported_slot(event) if api is not None else None
             state.table.first_token(self.task, now, reported)
             if self.task.slot is not None:
                 self.slot = self.task.slot
@@ -224,13 +234,14 @@ class Scheduler:
         """Whether requests to ``replica`` are pinned to slots."""
         mode = self.config.slot_scheduling
         info = replica.info
-        if mode == "off" or replica.dialect.name != "llamacpp" or info is None or not info.slots:
+        has_slots = replica.dialect.capabilities.slots is not None
+        if mode == "off" or not has_slots or info is None or not info.slots:
             return False
         return info.slots >= 2 or mode == "on"
 
     def coalesces(self, replica: Replica) -> bool:
         """Whether requests to ``replica`` may wait for an in-flight prefill of their prefix."""
-        return self.config.coalesce and replica.dialect.name != "llamacpp"
+        return self.config.coalesce and replica.dialect.capabilities.shared_prefix_cache
 
     def _table(self, state: ReplicaState, replica: Replica) -> SlotTable:
         info = replica.info
@@ -246,8 +257,9 @@ class Scheduler:
                 rules=rules,
                 detect_unified=self.config.server_kv_unified == "auto",
             )
-        if state.endpoint is None and self._session is not None:
-            state.endpoint = SlotEndpoint(self._session, replica.url, headers=self._headers)
+        api = replica.dialect.capabilities.slots
+        if state.endpoint is None and self._session is not None and api is not None:
+            state.endpoint = api.endpoint(self._session, replica.url, headers=self._headers)
         return state.table
 
     # -- the decision --------------------------------------------------------------------------
@@ -284,6 +296,7 @@ class Scheduler:
                 tokens_per_block=tokens_per_block,
                 fp=fp,
             )
+            ticket.slot_api = replica.dialect.capabilities.slots
             await self._pin(ticket, state, self._table(state, replica), req, body)
         else:
             cached = state.inflight.cached(fp.block_hashes, view.matched_for(replica.url))
@@ -301,7 +314,9 @@ class Scheduler:
         body: MutableMapping[str, Any],
     ) -> None:
         now = monotonic()
-        client = _client_slot(body)
+        api = ticket.slot_api
+        assert api is not None  # only a replica with slots is pinned
+        client = api.client_slot(body)
         choice: SlotChoice
         copied: SlotChoice | None = None
         if client is not None:
@@ -345,7 +360,7 @@ class Scheduler:
             else:
                 ticket.cache_source = SOURCE_SLOT if choice.matched_tokens > 0 else SOURCE_NONE
         if choice.slot is not None and choice.pinned and client is None:
-            body["id_slot"] = choice.slot
+            api.pin(body, choice.slot)
             ticket.body_changed = True
 
     async def _coalesce(

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from proxy.backends.llamacpp_cache import (
+from proxy.backends.slot_cache import (
     SOURCE_RAM,
     CachedPrompt,
     Pick,

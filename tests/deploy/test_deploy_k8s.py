@@ -321,7 +321,7 @@ def test_proxy_settings_resolve_with_real_option_names(tmp_path: Path) -> None:
     assert set(table["proxy"]) <= known, set(table["proxy"]) - known
     path = tmp_path / "prefixgate.toml"
     path.write_text(text)
-    settings = resolve({"config": str(path)}, environ={})
+    settings = resolve({"config": str(path)}, environ={}, read_files=False)  # the pod's paths
     build_canonicalizer(settings)  # the [canonical] table is valid
 
 
@@ -330,7 +330,7 @@ def test_proxy_settings_name_backend_pods_and_redis(tmp_path: Path) -> None:
     text = proxy_toml()
     path = tmp_path / "prefixgate.toml"
     path.write_text(text)
-    settings = resolve({"config": str(path)}, environ={})
+    settings = resolve({"config": str(path)}, environ={}, read_files=False)  # the pod's paths
     llama = one("StatefulSet", "llama")
     (container,) = containers(llama)
     (port,) = container["ports"]
@@ -357,7 +357,7 @@ def test_client_keys_file_is_mounted_from_the_secret(tmp_path: Path) -> None:
     """The api_keys_file the settings name is the Secret's key file, in the format it expects."""
     path = tmp_path / "prefixgate.toml"
     path.write_text(proxy_toml())
-    settings = resolve({"config": str(path)}, environ={})
+    settings = resolve({"config": str(path)}, environ={}, read_files=False)  # the pod's paths
     assert settings.api_keys_file is not None
     keys = parse_keys_file(mounted_file(settings.api_keys_file))
     assert keys and all(key.startswith("CHANGE-ME") for key in keys)

@@ -101,7 +101,8 @@ async def test_agent_loop_shows_the_canonicalizer_effect(start_proxy: StartProxy
             assert made["function"]["name"] == "list_events"
             assert json.loads(made["function"]["arguments"]) == EVENTS_ARGS
             assert result["tool_call_id"] == made["id"]
-            assert json.loads(result["content"])["events"], result  # the example's list_events
+            # The example's list_events, with the canonicalizer's note after it (last_suffix).
+            assert json.loads(result["content"].split("\n\n[[")[0])["events"], result
             ids.append(made["id"])
         assert len(set(ids)) == 3
     on_system = {r["messages"][0]["content"] for r in on_proxy.fake.requests}

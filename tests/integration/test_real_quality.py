@@ -13,7 +13,8 @@ pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 
 
 async def test_quality_replay_reports_agreement(llama_url: str, tmp_path: Path) -> None:
-    """Requests with dated system prompts replay in both forms; the report has every figure."""
+    """Requests with dated system prompts replay in both forms, each original cold and warm;
+    the report has every figure, the noise floor and a verdict."""
     path = tmp_path / "requests.jsonl"
     with path.open("wb") as f:
         for day in range(1, 4):
@@ -35,3 +36,9 @@ async def test_quality_replay_reports_agreement(llama_url: str, tmp_path: Path) 
     assert all(p.original.text and p.canonical.text for p in pairs)
     assert 0.0 <= report["mean_similarity"] <= 1.0
     assert report["prompt_tokens"]["original"] > 0 and report["prompt_tokens"]["canonical"] > 0
+    assert report["noise"]["repeated"] == 3
+    assert 0.0 <= report["noise"]["cold_vs_warm_agreement"] <= 1.0
+    assert all(p.repeat is not None and p.repeat.text for p in pairs)
+    # The warm repeat reuses what the cold ask left in the cache.
+    assert any((p.repeat.cached_tokens or 0) > 0 for p in pairs if p.repeat is not None)
+    assert report["verdict"]

@@ -260,8 +260,13 @@ TOOL_A = {"name": "a_tool", "type": "function", "description": "First.", "parame
 
 
 async def test_responses_tools_are_canonical(llama_fake: LlamaFake, make_proxy: MakeProxy) -> None:
-    """Responses tools: keys sorted, ordered by name, the rules named in the header."""
+    """Responses tools sent shuffled after their sorted form was seen: rewritten to it (keys
+    sorted, ordered by name), the rules named in the header."""
     client, records, _ = await make_proxy(llama_fake.url)
+    first = responses_body("hi", tools=[TOOL_A, {k: TOOL_B[k] for k in sorted(TOOL_B)}])
+    async with client.post("/v1/responses", json=first) as resp:
+        assert resp.status == 200 and "X-Prefixgate-Canonical" not in resp.headers
+    assert (await records.wait()).canonical_rules == []
     body = responses_body("hi", tools=[TOOL_B, TOOL_A])
     async with client.post("/v1/responses", json=body) as resp:
         assert resp.status == 200
@@ -270,13 +275,14 @@ async def test_responses_tools_are_canonical(llama_fake: LlamaFake, make_proxy: 
     assert sent is not None
     assert [t["name"] for t in sent["tools"]] == ["a_tool", "b_tool"]
     assert list(sent["tools"][1]) == sorted(TOOL_B)
-    assert (await records.wait()).canonical_rules == ["stable_json"]
+    assert (await records.wait(2)).canonical_rules == ["stable_json"]
 
 
 async def test_responses_volatile_instruction_moves_to_a_note(
     llama_fake: LlamaFake, make_proxy: MakeProxy
 ) -> None:
-    """A date in the instructions becomes a placeholder; its value goes to the user's input."""
+    """A date in the instructions becomes a placeholder; its value goes to the user's input
+    (after its text: the default placement)."""
     client, records, _ = await make_proxy(llama_fake.url)
     body = {
         "model": "fake-model",
@@ -289,8 +295,8 @@ async def test_responses_volatile_instruction_moves_to_a_note(
     assert sent is not None
     assert "2026" not in sent["instructions"] and "[[datetime_1]]" in sent["instructions"]
     parts = sent["input"][0]["content"]
-    assert parts[0]["type"] == "input_text" and "2026-11-30T10:00:00Z" in parts[0]["text"]
-    assert parts[1] == {"type": "input_text", "text": "hi"}
+    assert parts[0] == {"type": "input_text", "text": "hi"}
+    assert parts[1]["type"] == "input_text" and "2026-11-30T10:00:00Z" in parts[1]["text"]
     assert "volatile_timestamps" in (await records.wait()).canonical_rules
 
 
@@ -324,8 +330,17 @@ async def test_messages_with_breakpoint_reach_the_backend_untouched(
 async def test_messages_without_breakpoint_get_the_rules(
     llama_fake: LlamaFake, make_proxy: MakeProxy
 ) -> None:
-    """No breakpoint: Anthropic tools are sorted and the system text's line ends normalised."""
+    """No breakpoint: Anthropic tools and the system text sent in another form after their
+    normal form was seen are rewritten to it (sorted, line ends normalised)."""
     client, records, _ = await make_proxy(llama_fake.url)
+    normal = [
+        {"description": "A.\nSecond line.", "input_schema": {}, "name": "a"},
+        {"input_schema": {"a": 2, "b": 1, "type": "object"}, "name": "b"},
+    ]
+    first = messages_body("hi", tools=normal, system="Be brief.\nReally.")
+    async with client.post("/v1/messages", json=first) as resp:
+        assert resp.status == 200
+    assert (await records.wait()).canonical_rules == []
     tools = [
         {"name": "b", "input_schema": {"type": "object", "b": 1, "a": 2}},
         {"name": "a", "description": "A.  \r\nSecond line.", "input_schema": {}},
@@ -339,7 +354,7 @@ async def test_messages_without_breakpoint_get_the_rules(
     assert list(sent["tools"][1]["input_schema"]) == ["a", "b", "type"]
     assert sent["tools"][0]["description"] == "A.\nSecond line."
     assert sent["system"] == "Be brief.\nReally."
-    assert (await records.wait()).canonical_rules == ["stable_json", "whitespace"]
+    assert (await records.wait(2)).canonical_rules == ["stable_json", "whitespace"]
 
 
 async def test_responses_are_placed_on_a_slot_and_messages_are_not(

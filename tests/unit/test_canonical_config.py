@@ -51,7 +51,7 @@ def test_defaults_turn_every_rule_on_with_default_options() -> None:
     """An empty table gives every rule on, no dry-run, user_prefix notes."""
     config = config_from_mapping({})
     assert config.enabled and not config.dry_run
-    assert config.note_placement == "user_prefix"
+    assert config.note_placement == "last_suffix"
     assert all(config.rule(name).enabled for name in RULE_NAMES)
     assert not any(config.rule(name).dry_run for name in RULE_NAMES)
     assert config.rule("volatile_hex_ids").number("min_length") == 16

@@ -87,7 +87,7 @@ def test_gain_of_a_relocated_timestamp_is_measured_on_the_rendered_prompt() -> N
             {"role": "user", "content": "new question"},
         ],
     }
-    result = Canonicalizer().apply(CHAT, body)
+    result = Canonicalizer(CanonicalConfig(note_placement="user_prefix")).apply(CHAT, body)
     data = render(CHAT, result.body).data
     timestamp_at = data.index(b"[[date_1]]")
     note_at = data.index(b"[[date_1]] = ")

@@ -31,7 +31,7 @@ def test_precedence_flags_env_toml(tmp_path: Path) -> None:
     cfg = tmp_path / "p.toml"
     cfg.write_text(
         '[proxy]\nport = 7000\nidle_timeout = 5\nlog_level = "debug"\n'
-        'backends = ["http://toml:1"]\n[canonical]\nrelocate = false\n'
+        'backends = ["http://toml:1"]\n[canonical]\ndry_run = false\n'
     )
     env = {"PREFIXGATE_CONFIG": str(cfg), "PREFIXGATE_PORT": "7100", "PREFIXGATE_IDLE_TIMEOUT": "6"}
     s = resolve({"idle_timeout": 7.0}, environ=env)
@@ -39,7 +39,7 @@ def test_precedence_flags_env_toml(tmp_path: Path) -> None:
     assert s.port == 7100
     assert s.log_level == "debug"
     assert [b.url for b in s.backends] == ["http://toml:1"]
-    assert s.canonical == {"relocate": False}
+    assert s.canonical == {"dry_run": False}
     assert s.config_file == str(cfg)
 
 

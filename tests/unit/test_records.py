@@ -113,6 +113,21 @@ def test_builder_error_misses_slo_and_overhead() -> None:
     assert rec.e2e_ms == pytest.approx(200.0)
 
 
+def test_the_slo_is_judged_on_the_first_visible_token() -> None:
+    """A reasoning stream: its first token is in time, its first visible one is not. Goodput
+    counts what the user waited for; a stream that never showed anything misses the SLO."""
+    b = RecordBuilder(slo=Slo(ttft_ms=500), pricing=Pricing())
+    thinking = obs(t_first_token=100.1, t_first_visible=100.9, t_last_token=101.0, t_end=101.0)
+    rec = build(b, thinking)
+    assert (rec.ttft_ms, rec.ttfvt_ms, rec.slo_met) == (100.0, 900.0, False)
+    plain = obs(t_first_token=100.1, t_first_visible=100.1, t_last_token=101.0, t_end=101.0)
+    assert build(b, plain).slo_met is True
+    only_thinking = obs(t_first_token=100.1, t_last_token=101.0, t_end=101.0)
+    assert build(b, only_thinking).slo_met is False
+    whole = obs(t_end=100.3, backend_decode_ms=100.0)
+    assert build(b, whole, stream=False).slo_met is True  # derived TTFT: 200 ms
+
+
 def test_record_as_dict_is_flat() -> None:
     """as_dict is flat: every field, the fields set only when they apply, no 'extra' key."""
     rec = RequestRecord(

@@ -1,4 +1,8 @@
-"""llama-server's slot endpoints, as the scheduler uses them.
+"""Slots on a server that has them (llama-server): how a request is pinned, and the slot endpoints.
+
+``SlotApi`` is the request side: the body field that pins a request to a slot (``id_slot``), which
+a client may have set itself, and which the server echoes on the events of its answer.
+``SlotEndpoint`` is the server side, as the scheduler uses it:
 
 * ``GET /slots``: per slot ``id``, ``n_ctx``, ``is_processing`` and, once it ran a task,
   ``id_task`` and ``n_prompt_tokens``. On by default (``--no-slots`` turns it off: 501).
@@ -12,7 +16,8 @@ leaving the choice to the server, it never fails a request.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -22,6 +27,42 @@ from proxy.log import get_logger
 log = get_logger()
 
 UNSUPPORTED = (404, 405, 501)  # "this server does not do that", not "try again later"
+
+
+def _slot_id(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class SlotApi:
+    """How requests name a slot on a server with slots, and how to reach its slot endpoints."""
+
+    field: str = "id_slot"
+    """The body field that pins a request to a slot; the server reports it on its events."""
+
+    def client_slot(self, body: Mapping[str, Any]) -> int | None:
+        """The slot the client pinned the request to itself, if any."""
+        return _slot_id(body.get(self.field))
+
+    def pin(self, body: MutableMapping[str, Any], slot: int) -> None:
+        """Pin the request in ``body`` to ``slot``."""
+        body[self.field] = slot
+
+    def reported_slot(self, event: Mapping[str, Any]) -> int | None:
+        """The slot the server says served a request (on an event or a response)."""
+        return _slot_id(event.get(self.field))
+
+    def endpoint(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+    ) -> SlotEndpoint:
+        """The slot endpoints of the server at ``url``."""
+        return SlotEndpoint(session, url, headers=headers)
 
 
 class SlotEndpoint:
