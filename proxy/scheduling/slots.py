@@ -30,10 +30,9 @@ Times are ``time.perf_counter`` seconds; every estimate comes from ``Rates``.
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from proxy.backends.slot_cache import (
@@ -43,7 +42,6 @@ from proxy.backends.slot_cache import (
     PromptQuery,
     RamCache,
     ServerRules,
-    Shared,
     SlotView,
     TokenCounter,
     launch,
@@ -51,208 +49,56 @@ from proxy.backends.slot_cache import (
     probe_of,
     restorable,
 )
-from proxy.fingerprint import Fingerprint, common_blocks
+from proxy.fingerprint import common_blocks
 from proxy.scheduling.rates import Rates
-
-SLOT_HIT = "slot_hit"
-SLOT_QUEUE = "slot_queue"
-SLOT_PLACE = "slot_place"
-SLOT_PARALLEL = "slot_parallel"
-SLOT_BUSY = "slot_busy"
-SLOT_CLIENT = "slot_client"
-SLOT_FOREIGN = "slot_foreign"
-SLOT_FANOUT = "slot_fanout"
-SLOT_RAM = "slot_ram"
-SLOT_SERVER = "slot_server"
-SLOT_REASONS = (
-    SLOT_RAM,
-    SLOT_SERVER,
-    SLOT_HIT,
-    SLOT_QUEUE,
-    SLOT_PLACE,
-    SLOT_PARALLEL,
+from proxy.scheduling.slot_state import (
+    FOREIGN_GRACE_S,
+    RECENT_STATES,
+    RETURNS,
     SLOT_BUSY,
     SLOT_CLIENT,
-    SLOT_FOREIGN,
     SLOT_FANOUT,
+    SLOT_FOREIGN,
+    SLOT_HIT,
+    SLOT_PARALLEL,
+    SLOT_PLACE,
+    SLOT_QUEUE,
+    SLOT_RAM,
+    SLOT_REASONS,
+    SLOT_SERVER,
+    Continuations,
+    Prefills,
+    Slot,
+    SlotChoice,
+    SlotRequest,
+    SlotTask,
+    _remaining,
 )
 
-FOREIGN_GRACE_S = 1.0  # a slot seen busy this soon after our request on it ended is still ours
-RETURNS = 8.0  # later turns a conversation's lost history is expected to be recomputed on
-RECENT_STATES = 64  # prompts remembered to recognise a next turn, cached on the server or not
-
-
-class Continuations:
-    """How often a prompt of each application (fingerprint anchor) is continued by a next turn.
-
-    Counted from the proxy's own traffic: every prompt sent is one seen, every request that
-    continues an earlier prompt counts one continued for that prompt's application. The rate is
-    ``(continued + 1) / (seen + 2)`` (1/2 with nothing seen), over counts that decay so it follows
-    a change of traffic; bounded in the applications it keeps.
-    """
-
-    DECAY = 0.98
-
-    def __init__(self, *, max_anchors: int = 1024) -> None:
-        self._counts: dict[int, list[float]] = {}
-        self._max = max_anchors
-
-    @staticmethod
-    def _anchor(state: CachedPrompt) -> int:
-        return state.fp.anchor if state.fp is not None else 0
-
-    def rate(self, state: CachedPrompt) -> float:
-        seen, continued = self._counts.get(self._anchor(state), (0.0, 0.0))
-        return (continued + 1.0) / (seen + 2.0)
-
-    def observe(self, state: CachedPrompt, *, continued: bool) -> None:
-        counts = self._counts.setdefault(self._anchor(state), [0.0, 0.0])
-        if continued:
-            counts[1] = min(counts[1] + 1.0, counts[0])
-        else:
-            counts[0] = counts[0] * self.DECAY + 1.0
-            counts[1] *= self.DECAY
-        if len(self._counts) > self._max:
-            self._counts.pop(next(iter(self._counts)))
-
-
-@dataclass(frozen=True, slots=True)
-class SlotRequest:
-    """What the table needs to know of a request to place it."""
-
-    hashes: tuple[int, ...]
-    prompt_tokens: float
-    decode_tokens: float
-    tokens_per_block: float
-    fp: Fingerprint | None = None
-    """The request's fingerprint (segment hashes: a conversation's next turn is recognised)."""
-
-    def query(self) -> PromptQuery:
-        return PromptQuery(self.hashes, self.prompt_tokens, self.tokens_per_block, self.fp)
-
-
-@dataclass(slots=True, eq=False)
-class SlotTask:
-    """One request this proxy sent to the replica."""
-
-    hashes: tuple[int, ...]
-    prompt_tokens: float
-    uncached_tokens: float
-    decode_tokens: float
-    t_sent: float
-    slot: int | None = None
-    t_start: float | None = None
-    """When the backend began it (it became the first on its slot)."""
-    t_first_token: float | None = None
-    state: CachedPrompt | None = None
-    """The prompt state the request leaves in its slot (measured once its answer reports)."""
-    query: PromptQuery | None = None
-    pick: Pick | None = None
-    """What the server was expected to do with it when it started (the cache model's view)."""
-    shared: Shared | None = None
-    """How its cached tokens were expected to come about (for learning from the answer)."""
-    pinned: bool = True
-    """Sent with ``id_slot`` (False: the server chose, or will choose, its slot)."""
-
-
-@dataclass(slots=True)
-class Slot:
-    """One slot: what it holds, what is queued on it."""
-
-    id: int
-    state: CachedPrompt | None = None
-    """The prompt state the slot holds (None: empty, or nothing known)."""
-    tasks: list[SlotTask] = field(default_factory=list)
-    last_used: float = 0.0
-    last_end: float = -1e9
-    foreign_until: float = 0.0
-    """Busy with a request that did not come through this proxy, until about then."""
-    last_id_task: int | None = None
-    touched: bool = False
-    """This proxy sent a request to it, or one of its requests there ended, since the last look."""
-
-    @property
-    def content(self) -> tuple[int, ...]:
-        """Block hashes of the prompt the slot holds (empty: nothing known)."""
-        return self.state.hashes if self.state is not None else ()
-
-    def holds_after_queue(self) -> tuple[int, ...]:
-        """The prompt the slot will hold once everything queued on it has run."""
-        return self.tasks[-1].hashes if self.tasks else self.content
-
-    def state_after_queue(self) -> CachedPrompt | None:
-        """The state the slot will hold once everything queued on it has run."""
-        if self.tasks:
-            return self.tasks[-1].state
-        return self.state
-
-    def idle(self, now: float) -> bool:
-        return not self.tasks and self.foreign_until <= now
-
-
-@dataclass(frozen=True, slots=True)
-class SlotChoice:
-    """Where a request goes: a slot (pinned) or None (the server chooses)."""
-
-    slot: int | None
-    reason: str
-    matched_tokens: float
-    uncached_tokens: float
-    expected_end_s: float
-    """Expected seconds from now until the request ends."""
-    pinned: bool = True
-    """False: ``slot`` is where the server is expected to put it unpinned (``slot_server``)."""
-    pick: Pick | None = None
-    """The cache model's expectation for an idle slot (what a launch there does)."""
-
-
-def _remaining(task: SlotTask, now: float, rates: Rates, sharers: int) -> tuple[float, float]:
-    """(prompt tokens still to prefill, output tokens still to come) of a running task."""
-    p, t = rates.prefill_s, rates.tpot_s
-    if task.t_first_token is not None:
-        decoded = (now - task.t_first_token) / t
-        return 0.0, max(task.decode_tokens - decoded, 1.0)
-    start = task.t_start if task.t_start is not None else task.t_sent
-    rem = task.uncached_tokens - (now - start) / p / max(sharers, 1)
-    if rem > 0:
-        return rem, task.decode_tokens
-    # Past its expected prefill with no first token seen (a non-streamed answer): decoding.
-    over_s = -rem * p * max(sharers, 1)
-    return 0.0, max(task.decode_tokens - over_s / t, 1.0)
-
-
-class Prefills:
-    """The prompt tokens left to prefill of every request prefilling now, for quick sums.
-
-    ``shared(x)`` is the sum over them of ``min(left, x)`` (how much of ``x`` tokens of new
-    prefill runs alongside them) and ``imposed(x)`` the same weighted by ``1 + queued behind``
-    (how much the new prefill delays them and whoever waits for them): both by bisection over the
-    requests sorted by tokens left, so weighing every slot stays linear in the number of slots.
-    """
-
-    __slots__ = ("_cum_left", "_cum_weight", "_cum_weighted", "_left")
-
-    def __init__(self, entries: Iterable[tuple[float, int]]) -> None:
-        ordered = sorted(entries)
-        self._left = [left for left, _ in ordered]
-        self._cum_left = [0.0]
-        self._cum_weighted = [0.0]
-        self._cum_weight = [0.0]
-        for left, behind in ordered:
-            self._cum_left.append(self._cum_left[-1] + left)
-            self._cum_weighted.append(self._cum_weighted[-1] + left * (1 + behind))
-            self._cum_weight.append(self._cum_weight[-1] + 1 + behind)
-
-    def __len__(self) -> int:
-        return len(self._left)
-
-    def shared(self, x: float) -> float:
-        k = bisect_right(self._left, x)
-        return self._cum_left[k] + x * (len(self._left) - k)
-
-    def imposed(self, x: float) -> float:
-        k = bisect_right(self._left, x)
-        return self._cum_weighted[k] + x * (self._cum_weight[-1] - self._cum_weight[k])
+# What callers import from here; defined in ``slot_state``.
+__all__ = [
+    "FOREIGN_GRACE_S",
+    "RECENT_STATES",
+    "RETURNS",
+    "SLOT_BUSY",
+    "SLOT_CLIENT",
+    "SLOT_FANOUT",
+    "SLOT_FOREIGN",
+    "SLOT_HIT",
+    "SLOT_PARALLEL",
+    "SLOT_PLACE",
+    "SLOT_QUEUE",
+    "SLOT_RAM",
+    "SLOT_REASONS",
+    "SLOT_SERVER",
+    "Continuations",
+    "Prefills",
+    "Slot",
+    "SlotChoice",
+    "SlotRequest",
+    "SlotTable",
+    "SlotTask",
+]
 
 
 class SlotTable:
