@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from proxy.backends.events import EventKind
+from proxy.backends.wire import as_count, nonempty
 from proxy.records import Observation
 
 RESPONSES = "/v1/responses"  # the OpenAI Responses API
@@ -54,37 +55,29 @@ MESSAGES_VISIBLE = frozenset({"text_delta", "input_json_delta"})
 MESSAGES_HIDDEN = frozenset({"thinking_delta"})
 
 
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _nonempty(value: Any) -> bool:
-    return isinstance(value, str) and value != ""
-
-
 def read_responses_usage(usage: Mapping[str, Any], obs: Observation) -> None:
     """A Responses ``usage`` object into ``obs``."""
-    obs.prompt_tokens = _count(usage.get("input_tokens"))
-    obs.completion_tokens = _count(usage.get("output_tokens"))
+    obs.prompt_tokens = as_count(usage.get("input_tokens"))
+    obs.completion_tokens = as_count(usage.get("output_tokens"))
     details = usage.get("input_tokens_details")
     if isinstance(details, Mapping):
-        obs.cached_tokens = _count(details.get("cached_tokens"))
+        obs.cached_tokens = as_count(details.get("cached_tokens"))
     out_details = usage.get("output_tokens_details")
     if isinstance(out_details, Mapping):
-        obs.reasoning_tokens = _count(out_details.get("reasoning_tokens"))
+        obs.reasoning_tokens = as_count(out_details.get("reasoning_tokens"))
 
 
 def read_messages_usage(usage: Mapping[str, Any], obs: Observation) -> None:
     """An Anthropic ``usage`` object into ``obs``; fields it lacks leave ``obs`` as it was
     (``message_delta`` may carry ``output_tokens`` alone)."""
-    uncached = _count(usage.get("input_tokens"))
-    read = _count(usage.get("cache_read_input_tokens"))
-    written = _count(usage.get("cache_creation_input_tokens"))
+    uncached = as_count(usage.get("input_tokens"))
+    read = as_count(usage.get("cache_read_input_tokens"))
+    written = as_count(usage.get("cache_creation_input_tokens"))
     if uncached is not None:
         obs.prompt_tokens = uncached + (read or 0) + (written or 0)
     if read is not None:
         obs.cached_tokens = read
-    output = _count(usage.get("output_tokens"))
+    output = as_count(usage.get("output_tokens"))
     if output is not None:
         obs.completion_tokens = output
 
@@ -112,9 +105,9 @@ def classify_api_event(route: str, obj: Mapping[str, Any], obs: Observation) -> 
 
 def _responses_event(kind: Any, obj: Mapping[str, Any], obs: Observation) -> EventKind:
     if kind in RESPONSES_VISIBLE:
-        return EventKind.VISIBLE if _nonempty(obj.get("delta")) else EventKind.OTHER
+        return EventKind.VISIBLE if nonempty(obj.get("delta")) else EventKind.OTHER
     if kind in RESPONSES_HIDDEN:
-        return EventKind.TOKEN if _nonempty(obj.get("delta")) else EventKind.OTHER
+        return EventKind.TOKEN if nonempty(obj.get("delta")) else EventKind.OTHER
     if kind in RESPONSES_FINAL:
         response = obj.get("response")
         usage = response.get("usage") if isinstance(response, Mapping) else None
@@ -136,9 +129,9 @@ def _messages_event(kind: Any, obj: Mapping[str, Any], obs: Observation) -> Even
             return EventKind.OTHER
         if dtype in MESSAGES_VISIBLE:
             text = delta.get("text") if dtype == "text_delta" else delta.get("partial_json")
-            return EventKind.VISIBLE if _nonempty(text) else EventKind.OTHER
+            return EventKind.VISIBLE if nonempty(text) else EventKind.OTHER
         if dtype in MESSAGES_HIDDEN:
-            return EventKind.TOKEN if _nonempty(delta.get("thinking")) else EventKind.OTHER
+            return EventKind.TOKEN if nonempty(delta.get("thinking")) else EventKind.OTHER
         return EventKind.OTHER
     if kind == "message_start":
         message = obj.get("message")

@@ -27,6 +27,7 @@ from proxy.backends.events import EventKind as EventKind  # re-exported: its old
 from proxy.backends.load import LoadSource
 from proxy.backends.slot_api import SlotApi
 from proxy.backends.template_clock import TemplateClock
+from proxy.backends.wire import as_count, nonempty
 from proxy.records import Observation
 
 CHAT = "/v1/chat/completions"
@@ -74,20 +75,6 @@ class Capabilities:
     """Its slots, when requests can be pinned to one (each slot keeps its own prefix cache)."""
     shared_prefix_cache: bool = True
     """One prefix cache serves every request, so a request may wait for another's prefill."""
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _float(value: Any) -> float | None:
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    return None
-
-
-def _nonempty(value: Any) -> bool:
-    return isinstance(value, str) and value != ""
 
 
 class Dialect:
@@ -142,14 +129,14 @@ class Dialect:
         usage = obj.get("usage")
         if not isinstance(usage, Mapping):
             return
-        obs.prompt_tokens = _int(usage.get("prompt_tokens"))
-        obs.completion_tokens = _int(usage.get("completion_tokens"))
+        obs.prompt_tokens = as_count(usage.get("prompt_tokens"))
+        obs.completion_tokens = as_count(usage.get("completion_tokens"))
         details = usage.get("prompt_tokens_details")
         if isinstance(details, Mapping):
-            obs.cached_tokens = _int(details.get("cached_tokens"))
+            obs.cached_tokens = as_count(details.get("cached_tokens"))
         cdetails = usage.get("completion_tokens_details")
         if isinstance(cdetails, Mapping):
-            obs.reasoning_tokens = _int(cdetails.get("reasoning_tokens"))
+            obs.reasoning_tokens = as_count(cdetails.get("reasoning_tokens"))
 
     def classify_event(self, route: str, obj: Mapping[str, Any], obs: Observation) -> EventKind:
         """Classify one stream event and read any usage it carries."""
@@ -169,15 +156,15 @@ class Dialect:
             if not isinstance(choice, Mapping):
                 continue
             if route == COMPLETIONS:
-                if _nonempty(choice.get("text")):
+                if nonempty(choice.get("text")):
                     return EventKind.VISIBLE
                 continue
             delta = choice.get("delta")
             if not isinstance(delta, Mapping):
                 continue
-            if _nonempty(delta.get("content")) or delta.get("tool_calls"):
+            if nonempty(delta.get("content")) or delta.get("tool_calls"):
                 return EventKind.VISIBLE
-            if _nonempty(delta.get("reasoning_content")) or _nonempty(delta.get("reasoning")):
+            if nonempty(delta.get("reasoning_content")) or nonempty(delta.get("reasoning")):
                 kind = EventKind.TOKEN
         return kind
 

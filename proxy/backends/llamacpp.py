@@ -14,13 +14,11 @@ from proxy.backends.base import (
     Capabilities,
     Dialect,
     EventKind,
-    _float,
-    _int,
-    _nonempty,
 )
 from proxy.backends.load import LoadSource
 from proxy.backends.slot_api import SlotApi
 from proxy.backends.template_clock import probe_template_clock
+from proxy.backends.wire import as_count, as_number, nonempty
 from proxy.records import Observation
 
 CAPABILITIES = Capabilities(
@@ -51,23 +49,23 @@ class LlamaCppDialect(Dialect):
         timings = obj.get("timings")
         if not isinstance(timings, Mapping):
             return
-        cache_n = _int(timings.get("cache_n"))
-        prompt_n = _int(timings.get("prompt_n"))
+        cache_n = as_count(timings.get("cache_n"))
+        prompt_n = as_count(timings.get("prompt_n"))
         if cache_n is not None:
             obs.cached_tokens = cache_n
         if prompt_n is not None:
             obs.backend_prompt_processed = prompt_n
             if obs.prompt_tokens is None and cache_n is not None:
                 obs.prompt_tokens = prompt_n + cache_n
-        obs.backend_prefill_ms = _float(timings.get("prompt_ms"))
-        obs.backend_decode_ms = _float(timings.get("predicted_ms"))
-        predicted_n = _int(timings.get("predicted_n"))
+        obs.backend_prefill_ms = as_number(timings.get("prompt_ms"))
+        obs.backend_decode_ms = as_number(timings.get("predicted_ms"))
+        predicted_n = as_count(timings.get("predicted_n"))
         if predicted_n is not None and predicted_n >= 2:
-            obs.backend_tpot_ms = _float(timings.get("predicted_per_token_ms"))
+            obs.backend_tpot_ms = as_number(timings.get("predicted_per_token_ms"))
 
     def read_native(self, obj: Mapping[str, Any], obs: Observation) -> None:
-        evaluated = _int(obj.get("tokens_evaluated"))
-        predicted = _int(obj.get("tokens_predicted"))
+        evaluated = as_count(obj.get("tokens_evaluated"))
+        predicted = as_count(obj.get("tokens_predicted"))
         if evaluated is not None:
             obs.prompt_tokens = evaluated
         if predicted is not None:
@@ -87,7 +85,7 @@ class LlamaCppDialect(Dialect):
             if obj.get("stop") is True:
                 self.read_native(obj, obs)
                 self.read_timings(obj, obs)
-            return EventKind.VISIBLE if _nonempty(obj.get("content")) else EventKind.OTHER
+            return EventKind.VISIBLE if nonempty(obj.get("content")) else EventKind.OTHER
         kind = super().classify_event(route, obj, obs)
         self.read_timings(obj, obs)
         return kind
@@ -117,7 +115,7 @@ class LlamaCppDialect(Dialect):
         if status != 200 or not isinstance(props, Mapping):
             return BackendInfo(dialect=self.name)
         settings = props.get("default_generation_settings")
-        n_ctx = _int(settings.get("n_ctx")) if isinstance(settings, Mapping) else None
+        n_ctx = as_count(settings.get("n_ctx")) if isinstance(settings, Mapping) else None
         alias = props.get("model_alias")
         clock = await probe_template_clock(
             session, base_url, props.get("chat_template"), headers=headers
@@ -125,7 +123,7 @@ class LlamaCppDialect(Dialect):
         return BackendInfo(
             dialect=self.name,
             model=alias if isinstance(alias, str) else None,
-            slots=_int(props.get("total_slots")),
+            slots=as_count(props.get("total_slots")),
             ctx_per_slot=n_ctx,
             template_clock=clock,
         )

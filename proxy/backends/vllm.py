@@ -15,9 +15,10 @@ from typing import Any
 import aiohttp
 
 from proxy.backends.apis import MESSAGES
-from proxy.backends.base import CHAT, BackendInfo, Capabilities, Dialect, EventKind, _float
+from proxy.backends.base import CHAT, BackendInfo, Capabilities, Dialect, EventKind
 from proxy.backends.llamacpp import fetch_json
 from proxy.backends.load import LoadSource
+from proxy.backends.wire import as_number
 from proxy.records import Observation
 
 
@@ -69,11 +70,11 @@ class VllmDialect(Dialect):
     def _read_metrics(self, obj: Mapping[str, Any], obs: Observation) -> None:
         metrics = obj.get("metrics")
         if isinstance(metrics, Mapping):
-            ttft = _float(metrics.get("time_to_first_token_ms"))
-            queue = _float(metrics.get("queue_time_ms")) or 0.0
+            ttft = as_number(metrics.get("time_to_first_token_ms"))
+            queue = as_number(metrics.get("queue_time_ms")) or 0.0
             if ttft is not None:
                 obs.backend_prefill_ms = max(ttft - queue, 0.0)
-            itl = _float(metrics.get("mean_itl_ms"))
+            itl = as_number(metrics.get("mean_itl_ms"))
             if itl is not None:
                 obs.backend_tpot_ms = itl
 
