@@ -35,15 +35,18 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from proxy.backends import PROVIDER_NAMES
+from proxy.backends.apis import MESSAGES, RESPONSES
+from proxy.backends.base import CHAT, COMPLETIONS, NATIVE_COMPLETION
 from proxy.config import ConfigError
 from proxy.records import RequestRecord
 
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 _OPERATIONS = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "text_completion",
-    "/v1/responses": "chat",
-    "/v1/messages": "chat",
+    CHAT: "chat",
+    COMPLETIONS: "text_completion",
+    NATIVE_COMPLETION: "text_completion",
+    RESPONSES: "chat",
+    MESSAGES: "chat",
 }
 
 
