@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from proxy.attribution import MissAttributor
 from proxy.canonical import Canonicalizer
 from proxy.config import Settings
 from proxy.exchange import Exchange
@@ -32,6 +33,8 @@ class ProxyState:
     canonicalizer: Canonicalizer
     redactor: Redactor
     scheduler: Scheduler
+    misses: MissAttributor
+    """Attributes every request's uncached prompt tokens to causes (``proxy.attribution``)."""
 
 
 STATE = web.AppKey("prefixgate_state", ProxyState)
