@@ -175,3 +175,40 @@ def test_dry_run_index_matches_the_leading_run_of_an_earlier_chain() -> None:
     index.add("t", [5, 6, 7, 8, 9])  # over the bound: the oldest go first
     assert len(index) == 8
     assert index.matched("t", [1, 2]) == 0
+
+
+def test_stats_add_up_the_causes_of_attributed_requests() -> None:
+    """Two attributed records and one without: ``misses`` sums the two, by cause, rule and
+    reason, and its causes are the attribution's."""
+    from proxy.records import RequestRecord
+    from proxy.store.stats import MISS_CAUSES, StatsSample, Tally, sample_increments
+
+    assert MISS_CAUSES == CAUSES
+
+    def record(**fields: object) -> RequestRecord:
+        return RequestRecord(
+            ts="t", request_id="r", route="/v1/chat/completions", model="m", backend="b",
+            stream=False, status=200, **fields,  # type: ignore[arg-type]  # test records
+        )  # fmt: skip
+
+    tally = Tally()
+    for rec in (
+        record(prompt_tokens=100, cached_tokens=40, miss_new_tokens=10, miss_breaker_tokens=50,
+               miss_breaker_rules=["volatile_timestamps"], miss_routing_tokens=0,
+               miss_evicted_tokens=0, miss_unexplained_tokens=0),
+        record(prompt_tokens=80, cached_tokens=0, miss_new_tokens=20, miss_breaker_tokens=0,
+               miss_routing_tokens=60, miss_routing_why="round_robin", miss_evicted_tokens=0,
+               miss_unexplained_tokens=0),
+        record(prompt_tokens=50),
+    ):  # fmt: skip
+        sample = StatsSample.from_record(rec, namespace="default", ts=0.0)
+        for name, value in sample_increments(sample).items():
+            tally.add(name, value)
+    misses = tally.summary()["misses"]
+    assert misses["requests"] == 2 and misses["uncached_tokens"] == 140
+    assert (misses["prompt_tokens"], misses["cached_tokens"]) == (180, 40)
+    assert misses["tokens"] == {"new": 30, "breaker": 50, "routing": 60, "evicted": 0,
+                                "unexplained": 0}  # fmt: skip
+    assert misses["breaker_rules"] == {"volatile_timestamps": 50}
+    assert misses["routing_why"] == {"round_robin": 60}
+    assert misses["shares"]["routing"] == round(60 / 140, 4)
