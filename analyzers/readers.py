@@ -299,6 +299,7 @@ def _from_record(obj: dict[str, Any], source: str, trace: Trace) -> TraceRequest
         canonical_rules=get(K_CANONICAL_RULES) or (),
         affinity_key=_hex_or_none(get(K_AFFINITY_KEY)),
     )
+    trace.misses.add(get)
     clock = get(K_TEMPLATE_CLOCK)
     if type(clock) is str:
         trace.template_clocks[request.backend or "backend"] = clock

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from proxy.fingerprint import fingerprint
+from proxy.fingerprint import Fingerprint, fingerprint
 from proxy.routing import (
     KEY_AFFINITY,
     LEAST_LOADED_REASON,
@@ -193,6 +193,23 @@ def split(facts: MissFacts) -> MissAttribution:
     )
 
 
+def ends_in_system_after_tools(fp: Fingerprint, blocks: int) -> bool:
+    """Whether a match of ``blocks`` leading blocks ends inside a system segment of a request
+    whose tools come before it in the fingerprint (a match shorter than the tools, or past the
+    system prompt, is in the template's order too)."""
+    end = blocks * fp.block_bytes
+    kinds = [seg.kind for seg in fp.segments]
+    if "tools" not in kinds:
+        return False
+    ends = fp.segment_ends()
+    for seg, seg_end in zip(fp.segments, ends, strict=True):
+        if seg.start < end < seg_end:
+            return seg.kind == "system"
+        if end == seg_end:  # the system prompt after these tools differs from its start
+            return seg.kind == "tools" and seg_end < fp.total_bytes
+    return False
+
+
 def why_passed_over(route_reason: str | None, *, healthy: bool) -> str:
     """Why the replica with the longest match was not chosen, from the router's reason."""
     if not healthy:
@@ -287,6 +304,11 @@ class MissAttributor:
         chosen = target.replica.url
         chosen_index = view.matched_for(chosen) * per_block
         ticket = ex.ticket
+        if ends_in_system_after_tools(fp, view.matched_for(chosen)):
+            # The index hashes tools before the system prompt; chat templates print the system
+            # prompt first. A match that ends inside the system prompt of a request with tools
+            # overstates what the server can reuse: only the cache model can tell.
+            chosen_index = 0.0
         held = chosen_index
         slot_passed_over = False
         if ticket is not None and ticket.predicted_cached is not None:

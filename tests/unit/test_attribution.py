@@ -212,3 +212,28 @@ def test_stats_add_up_the_causes_of_attributed_requests() -> None:
     assert misses["breaker_rules"] == {"volatile_timestamps": 50}
     assert misses["routing_why"] == {"round_robin": 60}
     assert misses["shares"]["routing"] == round(60 / 140, 4)
+
+
+def test_a_match_ending_inside_the_system_prompt_after_tools_is_ambiguous() -> None:
+    """The index hashes tools before the system prompt, templates print the system prompt
+    first: a match that ends inside the system prompt is not a count of reusable tokens."""
+    from proxy.attribution import ends_in_system_after_tools
+    from proxy.fingerprint import fingerprint
+
+    tools = [{"type": "function", "function": {"name": "f", "description": "x" * 600}}]
+    body = {
+        "model": "m",
+        "tools": tools,
+        "messages": [
+            {"role": "system", "content": "s" * 1200},
+            {"role": "user", "content": "u" * 600},
+        ],
+    }
+    fp = fingerprint("/v1/chat/completions", body, block_bytes=256)
+    system = next(s for s in fp.segments if s.kind == "system")
+    inside = system.start // 256 + 2
+    assert ends_in_system_after_tools(fp, inside)
+    assert not ends_in_system_after_tools(fp, 1)  # inside the tools: in both orders
+    assert not ends_in_system_after_tools(fp, len(fp.block_hashes))  # into the messages
+    without = fingerprint("/v1/chat/completions", {**body, "tools": None}, block_bytes=256)
+    assert not ends_in_system_after_tools(without, 2)
