@@ -193,21 +193,31 @@ def split(facts: MissFacts) -> MissAttribution:
     )
 
 
-def ends_in_system_after_tools(fp: Fingerprint, blocks: int) -> bool:
-    """Whether a match of ``blocks`` leading blocks ends inside a system segment of a request
-    whose tools come before it in the fingerprint (a match shorter than the tools, or past the
-    system prompt, is in the template's order too)."""
+def template_order_bytes(fp: Fingerprint, blocks: int) -> int:
+    """The bytes of a ``blocks``-block match that a chat template's order can reuse.
+
+    The fingerprint hashes the tools before the system prompt; chat templates print the system
+    prompt first and the tools after it. A match that stops short of the system prompt's end
+    (by more than a block) therefore says less than its length: stopping inside the system
+    prompt, only the system prompt's matched part is reusable (the tools come after the
+    difference); stopping inside the tools, nothing is known to be. A match past the system
+    prompt, or of a request without tools, is in the template's order already.
+    """
     end = blocks * fp.block_bytes
-    kinds = [seg.kind for seg in fp.segments]
-    if "tools" not in kinds:
-        return False
+    tools = next((i for i, seg in enumerate(fp.segments) if seg.kind == "tools"), None)
+    if tools is None or end <= 0:
+        return end
     ends = fp.segment_ends()
-    for seg, seg_end in zip(fp.segments, ends, strict=True):
-        if seg.start < end < seg_end:
-            return seg.kind == "system"
-        if end == seg_end:  # the system prompt after these tools differs from its start
-            return seg.kind == "tools" and seg_end < fp.total_bytes
-    return False
+    first_message = next(
+        (seg.start for seg in fp.segments if seg.kind not in ("model", "tools", "system")),
+        fp.total_bytes,
+    )
+    if end > first_message - fp.block_bytes:
+        return end
+    tools_start, tools_end = fp.segments[tools].start, ends[tools]
+    if end <= tools_end:
+        return min(end, tools_start)
+    return end - (tools_end - tools_start)
 
 
 def why_passed_over(route_reason: str | None, *, healthy: bool) -> str:
@@ -302,13 +312,9 @@ class MissAttributor:
         fp = view.fp
         per_block = fp.block_bytes * tokens_per_byte
         chosen = target.replica.url
-        chosen_index = view.matched_for(chosen) * per_block
+        tpb = tokens_per_byte
+        chosen_index = template_order_bytes(fp, view.matched_for(chosen)) * tpb
         ticket = ex.ticket
-        if ends_in_system_after_tools(fp, view.matched_for(chosen)):
-            # The index hashes tools before the system prompt; chat templates print the system
-            # prompt first. A match that ends inside the system prompt of a request with tools
-            # overstates what the server can reuse: only the cache model can tell.
-            chosen_index = 0.0
         held = chosen_index
         slot_passed_over = False
         if ticket is not None and ticket.predicted_cached is not None:
@@ -332,7 +338,7 @@ class MissAttributor:
                 chosen_held=held,
                 chosen_index=chosen_index,
                 slot_passed_over=slot_passed_over,
-                best_other=best_blocks * per_block,
+                best_other=template_order_bytes(fp, best_blocks) * tpb,
                 other_why=other_why,
                 shared_with_rules=shared * tokens_per_byte,
                 rules=rules,
@@ -359,7 +365,7 @@ class MissAttributor:
             chain = fp.block_hashes
         shared = 0
         if dry is not None:
-            shared = dry.matched(view.namespace, chain) * fp.block_bytes
+            shared = template_order_bytes(fp, dry.matched(view.namespace, chain))
             dry.add(view.namespace, chain)
         if canonical is None or not canonical.dry_run_fired:
             return 0, ()

@@ -214,10 +214,11 @@ def test_stats_add_up_the_causes_of_attributed_requests() -> None:
     assert misses["shares"]["routing"] == round(60 / 140, 4)
 
 
-def test_a_match_ending_inside_the_system_prompt_after_tools_is_ambiguous() -> None:
+def test_a_match_short_of_the_system_prompt_counts_in_the_templates_order() -> None:
     """The index hashes tools before the system prompt, templates print the system prompt
-    first: a match that ends inside the system prompt is not a count of reusable tokens."""
-    from proxy.attribution import ends_in_system_after_tools
+    first: a match inside the system prompt reuses only its system part, one inside the tools
+    nothing known; one into the messages, or without tools, all of it."""
+    from proxy.attribution import template_order_bytes
     from proxy.fingerprint import fingerprint
 
     tools = [{"type": "function", "function": {"name": "f", "description": "x" * 600}}]
@@ -230,10 +231,13 @@ def test_a_match_ending_inside_the_system_prompt_after_tools_is_ambiguous() -> N
         ],
     }
     fp = fingerprint("/v1/chat/completions", body, block_bytes=256)
-    system = next(s for s in fp.segments if s.kind == "system")
+    kinds = [s.kind for s in fp.segments]
+    tools_len = fp.segment_ends()[kinds.index("tools")] - fp.segments[kinds.index("tools")].start
+    system = fp.segments[kinds.index("system")]
     inside = system.start // 256 + 2
-    assert ends_in_system_after_tools(fp, inside)
-    assert not ends_in_system_after_tools(fp, 1)  # inside the tools: in both orders
-    assert not ends_in_system_after_tools(fp, len(fp.block_hashes))  # into the messages
+    assert template_order_bytes(fp, inside) == inside * 256 - tools_len
+    assert template_order_bytes(fp, 1) == fp.segments[kinds.index("tools")].start
+    n = len(fp.block_hashes)
+    assert template_order_bytes(fp, n) == n * 256  # into the messages
     without = fingerprint("/v1/chat/completions", {**body, "tools": None}, block_bytes=256)
-    assert not ends_in_system_after_tools(without, 2)
+    assert template_order_bytes(without, 2) == 512
