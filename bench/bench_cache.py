@@ -31,7 +31,7 @@ Run: ``python bench/bench_cache.py [--quick] [--workloads a,b] [--slots 2] [--ou
 llama-server flags, for both runs, which the proxy is told of where it models them;
 ``--canonical dry-run``: the canonicalizer only watches, and forwards the original requests;
 ``--replicas 2 --policy round-robin``: the proxied run spreads over that many llama-servers,
-each as large as the direct run's one).
+each as large as the direct run's one; ``--proxied-only``: no direct run).
 Writes ``cache.json`` in ``--out`` (default ``bench/results``). Ten to twenty minutes on 2 cores.
 """
 
@@ -279,12 +279,15 @@ def run_workload(
     server_args: Sequence[str] = (),
     records_out: Path | None = None,
     replicas: int = 1,
+    proxied_only: bool = False,
 ) -> dict[str, Any]:
     """The workload direct and through prefixgate, in lockstep, each on a fresh llama-server.
 
     ``records_out``: where to keep a copy of prefixgate's records; ``replicas``: llama-servers
-    behind the proxy.
+    behind the proxy; ``proxied_only``: no direct run (half the machine time, for what only
+    the proxy's records say, such as the miss attribution).
     """
+    modes = ("prefixgate",) if proxied_only else MODES
     # --poll 0: the server waiting for its turn sleeps instead of spinning its threads, which
     # would take the cores from the one computing.
     extra = ("--poll", "0", "--jinja", "--chat-template-file", str(TEMPLATE), *server_args)
@@ -292,9 +295,11 @@ def run_workload(
     if name.startswith("fleet_"):
         scale = fleet_scale(scale, slots)
     with contextlib.ExitStack() as stack:
-        direct = stack.enter_context(
-            procs.start_llama_server(workdir, slots=slots, ctx=ctx, extra=extra)
-        )
+        direct = None
+        if not proxied_only:
+            direct = stack.enter_context(
+                procs.start_llama_server(workdir, slots=slots, ctx=ctx, extra=extra)
+            )
         behind = [
             stack.enter_context(
                 procs.start_llama_server(workdir, slots=slots, ctx=ctx, extra=extra)
@@ -311,15 +316,16 @@ def run_workload(
 
         Run = tuple[list[Result], float]
 
-        async def both() -> tuple[Run, Run]:
-            turns = Turns(list(MODES))
-            return await asyncio.gather(
-                drive("direct", direct.url, workload, scale, turns),
-                drive("prefixgate", proxy.url, workload, scale, turns),
+        urls = {"direct": direct.url if direct else "", "prefixgate": proxy.url}
+
+        async def both() -> list[Run]:
+            turns = Turns(list(modes))
+            return list(
+                await asyncio.gather(*(drive(m, urls[m], workload, scale, turns) for m in modes))
             )
 
         with procs.OtherLoad() as other:
-            (d_results, d_own), (p_results, p_own) = asyncio.run(both())
+            ran = dict(zip(modes, asyncio.run(both()), strict=True))
         time.sleep(0.3)  # records are written just after each response ends
         rules = fired_rules(proxy.extra_files["records"])
         records = read_records(proxy.extra_files["records"])
@@ -328,10 +334,10 @@ def run_workload(
         ideal = None
         if name in workloads.CEILINGS:
             plain = workloads.CEILINGS[name](scale)
-            ideal = ideal_share(asyncio.run(token_ids(direct.url, plain)))
+            server = direct.url if direct else behind[0].url  # stateless endpoints
+            ideal = ideal_share(asyncio.run(token_ids(server, plain)))
     runs: dict[str, Any] = {
-        "direct": summary_of(d_results, d_own, {}),
-        "prefixgate": summary_of(p_results, p_own, rules),
+        m: summary_of(*ran[m], rules if m == "prefixgate" else {}) for m in modes
     }
     for summary in runs.values():
         summary["other_cpu_cores"] = other.cores
@@ -344,7 +350,7 @@ def run_workload(
     )
     if ideal is not None:
         runs["ideal"] = {"cached_share_after_first": ideal}
-        for mode in MODES:
+        for mode in modes:
             share = runs[mode].get("cached_share_after_first")
             if share is not None and ideal:
                 runs[mode]["share_of_ideal"] = round(share / ideal, 3)
@@ -362,6 +368,7 @@ def run(
     canonical: str = "on",
     replicas: int = 1,
     policy: str | None = None,
+    proxied_only: bool = False,
 ) -> dict[str, Any]:
     report: dict[str, Any] = {
         "machine": {
@@ -398,7 +405,7 @@ def run(
             out_dir.mkdir(parents=True, exist_ok=True)
             kept = out_dir / f"{report_name}-{name}-records.jsonl"
             runs = run_workload(
-                name, scale, Path(tmp), slots, proxy_args, server_args, kept, replicas
+                name, scale, Path(tmp), slots, proxy_args, server_args, kept, replicas, proxied_only
             )
             for summary in runs.values():
                 summary["seconds"] = round(time.monotonic() - t0, 1)
@@ -517,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
         "--replicas", type=int, default=1, help="llama-servers behind the proxy (default 1)"
     )
     parser.add_argument("--policy", help="the proxy's routing policy (with --replicas > 1)")
+    parser.add_argument(
+        "--proxied-only", action="store_true", help="no direct run (the proxy's records only)"
+    )
     args = parser.parse_args(argv)
     scale = workloads.QUICK if args.quick else workloads.Scale()
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
@@ -534,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         args.canonical,
         args.replicas,
         args.policy,
+        args.proxied_only,
     )
     print_table(report)
     print(f"wrote {Path(args.out) / (args.name + '.json')}")
