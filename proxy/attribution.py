@@ -309,10 +309,8 @@ class MissAttributor:
         view, target = ex.view, ex.target
         if view is None or target is None:
             return split(MissFacts(prompt_tokens=prompt, cached_tokens=cached, known=False))
-        fp = view.fp
-        per_block = fp.block_bytes * tokens_per_byte
+        fp, tpb = view.fp, tokens_per_byte
         chosen = target.replica.url
-        tpb = tokens_per_byte
         chosen_index = template_order_bytes(fp, view.matched_for(chosen)) * tpb
         ticket = ex.ticket
         held = chosen_index
@@ -340,9 +338,9 @@ class MissAttributor:
                 slot_passed_over=slot_passed_over,
                 best_other=template_order_bytes(fp, best_blocks) * tpb,
                 other_why=other_why,
-                shared_with_rules=shared * tokens_per_byte,
+                shared_with_rules=shared * tpb,
                 rules=rules,
-                precision=per_block,
+                precision=fp.block_bytes * tpb,
             )
         )
 
