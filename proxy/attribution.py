@@ -368,7 +368,13 @@ class MissAttributor:
         if canonical is None or not canonical.dry_run_fired:
             return 0, ()
         gains = canonical.stable_bytes_gained
-        rules = tuple(r for r in canonical.dry_run_fired if gains.get(r, 0) > 0)
+        # Largest gain first: the rule whose span starts earliest is the likeliest breaker.
+        rules = tuple(
+            sorted(
+                (r for r in canonical.dry_run_fired if gains.get(r, 0) > 0),
+                key=lambda r: -gains.get(r, 0),
+            )
+        )
         if dry is None or canonical.would_forward is None:
             # A rule in dry-run on its own: its gain past the shared prefix, at most up to the
             # newest message (new on every request anyway).

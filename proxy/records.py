@@ -264,7 +264,11 @@ class RequestRecord:
         ),
     )
     miss_breaker_rules: list[str] | None = field(
-        default=None, metadata=when_set("The dry-run rules behind ``miss_breaker_tokens``.")
+        default=None,
+        metadata=when_set(
+            "The dry-run rules behind ``miss_breaker_tokens``, the largest stable-bytes gain "
+            "first (the likeliest breaker)."
+        ),
     )
     miss_routing_tokens: int | None = field(
         default=None,
