@@ -9,10 +9,13 @@ causes that add up to them exactly, walking the prompt from the end of what the 
 2. ``routing``: up to where the longest match of *another* replica goes, the chosen one held
    less; ``why`` names why it was passed over (``load_gate``, ``health``, ``round_robin``,
    ``min_affinity``, ``affinity_key``, ``slot`` ...);
-3. ``breaker``: up to where an earlier request shared the prompt once the canonicalizer's
+3. ``evicted`` again: up to where the index says the chosen replica processed the prompt
+   earlier, though its cache model says it no longer holds it (``routing`` with ``slot`` when
+   the request was put on another slot than the holder);
+4. ``breaker``: up to where an earlier request shared the prompt once the canonicalizer's
    rules in dry-run are applied, nobody held it (the rules named);
-4. ``new``: beyond all of that, no earlier request in the index's window shared it;
-5. ``unexplained``: what the walk could not place: a request whose index lookup failed, and a
+5. ``new``: beyond all of that, no earlier request in the index's window shared it;
+6. ``unexplained``: what the walk could not place: a request whose index lookup failed, and a
    shortfall against the cache model smaller than one index block (the index's precision).
 
 Positions are in tokens: block counts and byte offsets times the model's measured
@@ -166,22 +169,26 @@ def split(facts: MissFacts) -> MissAttribution:
     if not facts.known:
         return MissAttribution(unexplained=prompt - cached)
     held = _at(facts.chosen_held, cached, prompt)
-    # The index may say the chosen replica holds more than its cache model does: it was put on
-    # another slot than the holder (routing, ``slot``), or the model knows it is gone (evicted).
     index_end = max(held, _at(facts.chosen_index, cached, prompt))
-    noise = slot_routing = evicted = 0
     if index_end - cached <= facts.precision:  # within one block: not evidence of anything
-        noise = index_end - cached
+        noise, evicted, start = index_end - cached, 0, index_end
     else:
-        slot_routing = index_end - held if facts.slot_passed_over else 0
-        evicted = index_end - cached - slot_routing
-    other_end = max(index_end, _at(facts.best_other, cached, prompt))
-    routing = other_end - index_end + slot_routing
-    breaker_end = max(other_end, _at(facts.shared_with_rules, cached, prompt))
-    breaker = breaker_end - other_end
+        noise, evicted, start = 0, held - cached, held
+    # What another replica held beyond what the chosen one held by its cache model.
+    routing_end = max(start, _at(facts.best_other, cached, prompt))
+    routing = routing_end - start
+    # The rest of what the index says the chosen replica processed, which its cache model says
+    # it no longer holds: on another slot than the holder (routing, ``slot``), else evicted.
+    tail_end = max(routing_end, index_end)
+    if facts.slot_passed_over:
+        routing += tail_end - routing_end
+    else:
+        evicted += tail_end - routing_end
+    breaker_end = max(tail_end, _at(facts.shared_with_rules, cached, prompt))
+    breaker = breaker_end - tail_end
     why = None
     if routing:
-        why = (facts.other_why or WHY_STALE) if other_end > index_end else WHY_SLOT
+        why = (facts.other_why or WHY_STALE) if routing_end > start else WHY_SLOT
     return MissAttribution(
         new=prompt - breaker_end,
         breaker=breaker,

@@ -241,3 +241,21 @@ def test_a_match_short_of_the_system_prompt_counts_in_the_templates_order() -> N
     assert template_order_bytes(fp, n) == n * 256  # into the messages
     without = fingerprint("/v1/chat/completions", {**body, "tools": None}, block_bytes=256)
     assert template_order_bytes(without, 2) == 512
+
+
+def test_what_the_cache_model_lost_and_another_replica_holds_is_routing() -> None:
+    """The index says the chosen replica processed 800 tokens earlier, its cache model says it
+    keeps 300 (the shared head), another replica holds 700: 400 routing, the last 100 the
+    chosen replica lost with nobody else holding them: evicted."""
+    r = split(
+        MissFacts(
+            prompt_tokens=1000,
+            cached_tokens=300,
+            chosen_held=300,
+            chosen_index=800,
+            best_other=700,
+            other_why="round_robin",
+            precision=64,
+        )
+    )
+    assert (r.routing, r.routing_why, r.evicted, r.new) == (400, "round_robin", 100, 200)
