@@ -89,8 +89,9 @@ class MissTotals:
         if t["evicted"]:
             out["evicted"] = (
                 "the replicas' caches lose prompts they held: add capacity (slots, KV cache or "
-                "--cache-ram memory, or replicas), or place long-lived prefixes on a replica of "
-                "their own"
+                "--cache-ram memory, or replicas), place long-lived prefixes on a replica of "
+                "their own; on llama.cpp, --slot-prompt-similarity 0 lets the server restore a "
+                "conversation from its RAM cache instead of overwriting a slot"
             )
         if t["unexplained"]:
             out["unexplained"] = (
