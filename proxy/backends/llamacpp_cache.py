@@ -54,7 +54,8 @@ backend's own numbers once a response reports them: a prompt that *continues* a 
 measured prompt tokens plus the share of its generated tokens that the next turn repeats
 (``answer_reuse``, learned); any other match ends at a segment or block boundary, whose token
 count is learned from the backend's measured ``cached_tokens`` the first time a request ends its
-match there (``BoundaryTokens``), and estimated from the byte count until then.
+match there (``BoundaryTokens``), and estimated from the byte count until then (a match that
+runs on inside a segment ends somewhere in the block after the last one both share: its middle).
 """
 
 from __future__ import annotations
@@ -207,7 +208,12 @@ class TokenCounter:
             block_end = blocks * qfp.block_bytes
             if block_end > seg_end + qfp.block_bytes:  # the match runs on inside a segment
                 key: int | None = query.hashes[blocks - 1]
-                shared_bytes = float(block_end)
+                # The two differ somewhere in the next block (or the shorter one's tail): take
+                # its middle, which halves the expected error of stopping at the block's start.
+                room = min(
+                    qfp.block_bytes, qfp.total_bytes - block_end, sfp.total_bytes - block_end
+                )
+                shared_bytes = block_end + max(room, 0) / 2.0
             else:
                 key = qfp.segment_hashes[segs - 1] if segs else None
                 shared_bytes = float(max(seg_end, block_end))
