@@ -84,7 +84,9 @@ def added_fields(raw: bytes, original: dict[str, Any], body: dict[str, Any]) -> 
         for key, value in body.items()
         if key not in original
     )
-    return end[:-1] + b"," + extra + b"}" if extra else raw
+    if not extra:
+        return raw
+    return b"".join((memoryview(end)[:-1], b",", extra, b"}"))  # one copy of a large body
 
 
 def _target(state: ProxyState, view: PrefixView, decision: Decision) -> Target:
