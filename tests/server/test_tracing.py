@@ -4,6 +4,7 @@ stages as child spans, the GenAI attributes on the backend call; nothing when no
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -131,7 +132,7 @@ async def test_a_request_is_one_trace_with_its_stages_and_genai_attributes(
     assert rec.resources[0]["service.name"] == "pg-test"
     stages = sorted((by_name[n] for n in STAGES), key=lambda s: s.start_time_unix_nano)
     assert [s.name for s in stages] == STAGES
-    for before, after in zip(stages, stages[1:], strict=False):
+    for before, after in itertools.pairwise(stages):
         assert before.end_time_unix_nano <= after.start_time_unix_nano
     assert root.start_time_unix_nano <= stages[0].start_time_unix_nano
     assert by_name["prefixgate.upstream"].start_time_unix_nano == upstream.start_time_unix_nano
@@ -191,7 +192,7 @@ async def test_without_an_endpoint_trace_headers_pass_through_untouched(
     """Tracing off: the proxy adds no ``traceparent`` and passes the client's as sent."""
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
-    client, records, app = await make_proxy(llama_fake.url)
+    client, records, _ = await make_proxy(llama_fake.url)
     async with client.post("/v1/chat/completions", json=BODY) as resp:
         assert resp.status == 200
     assert "traceparent" not in llama_fake.last_headers
