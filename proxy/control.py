@@ -74,7 +74,7 @@ class ControlGroup:
 def conversation_key(
     route: str,
     body: Mapping[str, Any],
-    affinity: AffinityKey | None,
+    affinity: AffinityKey | None = None,
     tenant: str | None = None,
 ) -> int:
     """The 64-bit key of the request's conversation, uniform over its range.
