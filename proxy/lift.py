@@ -44,6 +44,9 @@ METHOD = (
     "Woodruff's interval for the TTFT quantiles; lift = treated - control"
 )
 
+SHARE = (0.0, 1.0)
+SHARE_LIFT = (-1.0, 1.0)
+
 
 @dataclass(slots=True)
 class Conversation:
@@ -75,14 +78,20 @@ class Estimate:
         return {"value": r(self.value), "ci": [r(self.low), r(self.high)]}
 
 
-def _interval(value: float, se: float | None) -> Estimate:
+def _interval(value: float, se: float | None, clip: tuple[float, float] | None = None) -> Estimate:
     if se is None or not math.isfinite(se):
         return Estimate(value)
-    return Estimate(value, value - Z95 * se, value + Z95 * se, se)
+    low, high = value - Z95 * se, value + Z95 * se
+    if clip is not None:  # a share's interval stays a share
+        low, high = max(low, clip[0]), min(high, clip[1])
+    return Estimate(value, low, high, se)
 
 
-def ratio_of_sums(pairs: Sequence[tuple[float, float]]) -> Estimate:
-    """``sum(y) / sum(x)`` over clusters ``(y_i, x_i)``, with its delta-method interval.
+def ratio_of_sums(
+    pairs: Sequence[tuple[float, float]], clip: tuple[float, float] | None = None
+) -> Estimate:
+    """``sum(y) / sum(x)`` over clusters ``(y_i, x_i)``, with its delta-method interval
+    (its bounds kept within ``clip``, e.g. ``(0, 1)`` for a share).
 
     Clusters with ``x_i == 0`` add nothing to either sum but count as clusters; the interval
     needs at least two clusters with ``x_i > 0``.
@@ -96,7 +105,7 @@ def ratio_of_sums(pairs: Sequence[tuple[float, float]]) -> Estimate:
     if n < 2:
         return Estimate(ratio)
     residuals = sum((y - ratio * x) ** 2 for y, x in used)
-    return _interval(ratio, math.sqrt(n / (n - 1) * residuals) / total_x)
+    return _interval(ratio, math.sqrt(n / (n - 1) * residuals) / total_x, clip)
 
 
 def quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -130,14 +139,14 @@ def clustered_quantile(clusters: Sequence[Sequence[float]], q: float) -> Estimat
     return Estimate(point, low, high, (high - low) / (2 * Z95))
 
 
-def lift(treated: Estimate, control: Estimate) -> Estimate:
+def lift(treated: Estimate, control: Estimate, clip: tuple[float, float] | None = None) -> Estimate:
     """``treated - control``, the groups independent (their variances add)."""
     if treated.value is None or control.value is None:
         return Estimate(None)
     value = treated.value - control.value
     if treated.se is None or control.se is None:
         return Estimate(value)
-    return _interval(value, math.hypot(treated.se, control.se))
+    return _interval(value, math.hypot(treated.se, control.se), clip)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,10 +173,10 @@ class GroupFigures:
             errors=sum(c.errors for c in convs),
             prompt_tokens=sum(c.prompt_tokens for c in convs),
             cached_tokens=sum(c.cached_tokens for c in convs),
-            cached_share=ratio_of_sums([(c.cached_tokens, c.prompt_tokens) for c in convs]),
+            cached_share=ratio_of_sums([(c.cached_tokens, c.prompt_tokens) for c in convs], SHARE),
             ttft_p50_ms=clustered_quantile(ttfts, 0.5),
             ttft_p90_ms=clustered_quantile(ttfts, 0.9),
-            goodput_share=ratio_of_sums([(c.slo_met, c.slo_evaluated) for c in convs]),
+            goodput_share=ratio_of_sums([(c.slo_met, c.slo_evaluated) for c in convs], SHARE),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -187,10 +196,10 @@ class GroupFigures:
 def compare(treated: GroupFigures, control: GroupFigures) -> dict[str, Estimate]:
     """The lift of each figure, treated minus control."""
     return {
-        "cached_share": lift(treated.cached_share, control.cached_share),
+        "cached_share": lift(treated.cached_share, control.cached_share, SHARE_LIFT),
         "ttft_p50_ms": lift(treated.ttft_p50_ms, control.ttft_p50_ms),
         "ttft_p90_ms": lift(treated.ttft_p90_ms, control.ttft_p90_ms),
-        "goodput_share": lift(treated.goodput_share, control.goodput_share),
+        "goodput_share": lift(treated.goodput_share, control.goodput_share, SHARE_LIFT),
     }
 
 
