@@ -10,6 +10,10 @@ once to another healthy replica. Whatever happens, one ``RequestRecord`` is buil
 exchange when it ends (with the replica, ``route_reason`` and ``retried_from``), and the
 record writer's learner (``proxy.exchange.learn``) updates the scheduler, the index and the
 statistics from it.
+
+A request of the control group (``proxy.control``, with ``--control-share``) skips the
+canonicalizer, is routed round-robin (``Fleet.route_plain``) and left to the server's own slot
+choice; it is looked up, claimed, recorded and learned from like any other.
 """
 
 from __future__ import annotations
