@@ -17,8 +17,9 @@ judged), and its variance is the delta-method (linearization) estimate over conv
 A TTFT quantile's interval is Woodruff's: the clustered interval of the empirical distribution
 function at the quantile (the share of requests at or below it, a ratio of sums again),
 mapped back through the quantile function. The two groups are independent samples, so the
-variance of a lift is the sum of the groups' variances. These are closed forms computed in one
-pass, cheap enough for every ``/stats`` read, unlike a bootstrap.
+variance of a lift is the sum of the groups' variances (a share's bounds are kept within 0..1,
+a lift of shares within -1..1). These are closed forms computed in one pass, cheap enough for
+every ``/stats`` read, unlike a bootstrap.
 
 The ledger is this process's own, since it started: each proxy replica reports the requests it
 served (the group of a conversation is the same on every replica). It keeps the most recent
