@@ -30,6 +30,7 @@ from proxy.config import ConfigError, Settings
 from proxy.errors import ProxyError, error_response
 from proxy.exchange import Exchange, learn
 from proxy.fleet import Fleet
+from proxy.lift import LiftLedger
 from proxy.log import get_logger
 from proxy.prefixes import PrefixTracker
 from proxy.records import RecordBuilder, RecordWriter, monotonic
@@ -130,6 +131,10 @@ def build_app(
     )
     # What the proxy learns from a finished request, with the stages it was built from.
     record_writer.add_learner(lambda record, ex: learn(app[STATE], record, ex))
+    ledger: LiftLedger | None = None
+    if settings.control.enabled:
+        ledger = lift = LiftLedger(share=settings.control.share)
+        record_writer.add_learner(lambda record, ex: lift.observe(record, ex.control_key))
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         session = upstream_session(limit=0, keepalive_timeout=30.0)
@@ -166,6 +171,8 @@ def build_app(
                 scheduler=Scheduler(
                     settings.scheduling, tokens_per_byte=tracker.tokens_per_byte.get
                 ),
+                ledger=ledger,
+                tracer=tracer,
             )
             app[STATE] = state
             if canonicalizer.forms is not None:  # learned forms are shared through the store
@@ -175,7 +182,7 @@ def build_app(
                 # cold connection (bounded; a Redis that is down only leaves the store degraded).
                 await store.warm()
                 if tracer is not None:
-                    record_writer.add_sink(tracer.observe)
+                    record_writer.add_learner(tracer.observe)
                 await fleet.start(session)
                 state.scheduler.start(
                     session, fleet.replicas, backend_api_key=settings.backend_api_key

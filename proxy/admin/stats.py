@@ -2,7 +2,8 @@
 
 Everything comes from the store (``query_stats`` for the window's buckets, ``top_prefixes`` for the
 application-prefix ranking), so every proxy replica sharing one Redis serves the same numbers; only
-``backends`` (this process's view of its replicas) and ``generated_at`` are local. The document is
+``backends`` (this process's view of its replicas), ``control_group`` (this process's comparison
+of the control group with the rest, ``proxy.lift``) and ``generated_at`` are local. The document is
 ``StatsWindow.to_json()`` (totals, the chart series, the breakdowns) plus what a reader needs
 beside it: the window's name, goodput against the configured SLO, savings in the units people
 reason in, the top prefixes and the store's state. Its JSON Schema is
@@ -170,6 +171,8 @@ async def build_stats(state: ProxyState, query: StatsQuery, *, now: float) -> di
             "kind": "redis" if settings.redis_url else "embedded",
             "degraded": state.store.degraded,
         },
+        # This process's own, since it started (proxy.lift): not the window's, not the store's.
+        "control_group": state.ledger.summary() if state.ledger is not None else None,
     }
 
 

@@ -34,6 +34,7 @@ def full_record() -> RequestRecord:
         canonical_stable_bytes={"relocate_timestamps": 120},
         affinity_key="00000000000000ff",
         affinity_source="prompt_cache_key",
+        control_group=False,
         hosted_fields_stripped=["prompt_cache_key"],
         route_reason="affinity",
         template_clock="date",
