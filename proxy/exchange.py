@@ -18,6 +18,7 @@ from proxy.fingerprint import hex64
 from proxy.hosted import PROMPT_CACHE_KEY
 from proxy.prefixes import logged_segments, prefix_label
 from proxy.records import Observation, RecordBuilder, RequestRecord, utc_now_iso
+from proxy.store import DEFAULT_NAMESPACE
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
@@ -125,6 +126,7 @@ def build_record(
         record.canonical_dry_run_rules = list(canonical.dry_run_fired) or None
         record.canonical_notes_restored = canonical.notes_restored or None
         record.canonical_note_values_omitted = canonical.note_values_omitted or None
+        record.canonical_learned_spans = list(canonical.learned_spans) or None
         record.canonical_stable_bytes = canonical.stable_bytes_gained or None
     if ex.affinity is not None:
         record.affinity_key = ex.affinity.hashed
@@ -177,6 +179,8 @@ def learn(state: ProxyState, record: RequestRecord, ex: Exchange) -> Awaitable[N
     statistics in the background (the returned coroutine).
     """
     state.scheduler.learn(record, ex.ticket)
+    if ex.canonical is not None:  # volatile spans, from the stable texts it carried
+        state.canonicalizer.learn(ex.canonical, namespace=ex.tenant or DEFAULT_NAMESPACE)
     target = ex.target
     if target is None:
         return None
