@@ -18,7 +18,6 @@ from proxy.fingerprint import hex64
 from proxy.hosted import PROMPT_CACHE_KEY
 from proxy.prefixes import logged_segments, prefix_label
 from proxy.records import Observation, RecordBuilder, RequestRecord, utc_now_iso
-from proxy.store import DEFAULT_NAMESPACE
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
@@ -180,7 +179,7 @@ def learn(state: ProxyState, record: RequestRecord, ex: Exchange) -> Awaitable[N
     """
     state.scheduler.learn(record, ex.ticket)
     if ex.canonical is not None:  # volatile spans, from the stable texts it carried
-        state.canonicalizer.learn(ex.canonical, namespace=ex.tenant or DEFAULT_NAMESPACE)
+        state.canonicalizer.learn(ex.canonical)
     target = ex.target
     if target is None:
         return None

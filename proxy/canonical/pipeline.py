@@ -147,6 +147,7 @@ class CanonicalResult:
     """Ids of the learned span patterns whose values were relocated (or would be, dry-run)."""
     observed: tuple[Observed, ...] = field(default=(), repr=False, compare=False)
     """The stable texts with the values found in them, for ``Canonicalizer.learn``."""
+    namespace: str = field(default="default", repr=False, compare=False)
 
     @property
     def stable_bytes_gained(self) -> dict[str, int]:
@@ -295,11 +296,11 @@ class Canonicalizer:
         self._count(result)
         return result
 
-    def learn(self, result: CanonicalResult, *, namespace: str = "default") -> None:
+    def learn(self, result: CanonicalResult) -> None:
         """Learn volatile spans from a request canonicalized as ``result`` (after it has been
         forwarded: off its critical path)."""
         if self.spans is not None and result.observed:
-            self.spans.observe(namespace, result.observed)
+            self.spans.observe(result.namespace, result.observed)
 
     def _count(self, result: CanonicalResult) -> None:
         for name in result.fired:
@@ -352,6 +353,7 @@ class Canonicalizer:
             note_values_omitted=run.notes.omitted if run.notes else 0,
             learned_spans=tuple(run.learned_ids),
             observed=run.observed,
+            namespace=namespace,
         )
 
     def _learned(self, view: FormView, name: str, fixed: RewriteRule, api: bool) -> RewriteRule:

@@ -185,9 +185,14 @@ def _refine(a: str, b: str, span: tuple[int, int, int, int]) -> list[tuple[int, 
     if gaps_a != gaps_b or a[a_lo : wa[0][0]] != b[b_lo : wb[0][0]]:
         return [span]
     out: list[tuple[int, int, int, int]] = []
+    same = True  # whether the word before is one both sides share
     for (sa, ea), (sb, eb) in zip(wa, wb, strict=True):
         if a[sa:ea] == b[sb:eb]:
+            same = True
             continue
+        if not same:
+            return [span]  # two differing words in a row: words of a sentence, not values
+        same = False
         head = _common_prefix(a, b, sa, sb)
         head = min(head, ea - sa, eb - sb)
         tail = 0
