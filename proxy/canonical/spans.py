@@ -6,9 +6,9 @@ judged (``judge``): widened to the whole token around it, it is a *value* if it 
 most ``MAX_VALUE`` characters), holds no blank, and sits between literal text the two texts
 share. The judgement is a ``SpanPattern``:
 
-- ``left``: the literal text just before the value on its line (at least ``MIN_ANCHOR``
-  characters with a letter among them: a value at the start of a line, with nothing before
-  it, is not learned);
+- ``left``: the literal text just before the value on its line and in its sentence, at most
+  ``LEFT_ANCHOR`` characters (at least ``MIN_ANCHOR`` with a letter among them: a value at the
+  start of a line, with nothing before it, is not learned);
 - ``value_class``: ``digits`` (``[0-9]``), ``alnum`` (``[A-Za-z0-9]``) or ``token`` (also
   ``_ . + / -`` and trailing ``=``, which covers base64 and dashed ids), the narrowest that
   holds both values;
@@ -295,6 +295,9 @@ def judge(
     marks = list(_MARK.finditer(left))
     if marks:
         left = left[marks[-1].end() :]
+    sentence = left.rfind(". ")  # from the value's own sentence when that is anchor enough
+    if sentence >= 0 and _anchor_ok(left[sentence + 2 :]):
+        left = left[sentence + 2 :]
     if not _anchor_ok(left):
         return None
     end = len(b) if ceiling is None else min(ceiling, len(b))
