@@ -5,8 +5,14 @@
 1. ``stable_json``, then ``whitespace``: each a pure function ``(kind, body, rule config) ->
    RuleOutcome`` that returns a rewritten body (copy-on-write) and what it changed;
 2. the volatile rules (``volatile_timestamps``, ``volatile_uuids``, ``volatile_hex_ids``,
-   ``custom_patterns``): each a set of detectors over the stable segments; their values go
-   through one relocation, so the model sees one note however many rules found something.
+   ``custom_patterns``, ``volatile_learned``): each a set of detectors over the stable segments;
+   their values go through one relocation, so the model sees one note however many rules found
+   something.
+
+Learned spans. ``volatile_learned``'s detector is the patterns learned for the namespace
+(``proxy.canonical.span_memory``). Each result carries the stable texts it saw with the values
+found in them (``observed``); ``Canonicalizer.learn(result)``, called after the request (the
+proxy's record learner), teaches the memory from them.
 
 Learned forms. With a ``FormMemory`` (the proxy always has one) ``stable_json`` and
 ``whitespace`` rewrite a part only to the form first seen for it (``proxy.canonical.learned``):

@@ -20,8 +20,9 @@ of a namespace (one bounded round trip) and again every ``refresh_s`` in the bac
 writes the union of the store's and its own when it learns one. Candidates are per proxy. A
 store that is down costs only the sharing: each proxy learns from its own traffic.
 
-Bounds: ``max_places`` places (the least recently seen go), ``RECENT`` texts of at most
-``max_text`` characters each and ``CANDIDATES`` candidates per place, ``max_patterns`` learned
+Bounds: ``max_places`` places holding at most ``max_chars`` characters of text in all (the
+least recently seen go), ``RECENT`` texts of at most ``max_text`` characters each and
+``CANDIDATES`` candidates per place, ``max_patterns`` learned
 patterns per namespace (the least recently used go), ``MAX_NAMESPACES`` namespaces; a pattern
 unused for ``ttl_s`` is dropped at the next refresh.
 """
@@ -51,7 +52,7 @@ log = structlog.get_logger("prefixgate.canonical")
 
 STORE_KIND = "span"
 STORE_KEY = "learned"
-RECENT = 4
+RECENT = 8
 CANDIDATES = 8
 MAX_VALUES = 16  # distinct values remembered per candidate (only their count matters)
 MAX_NAMESPACES = 1024
@@ -85,11 +86,9 @@ class _Candidate:
 
 @dataclass(slots=True)
 class _Place:
-    recent: deque[str] = field(default_factory=lambda: deque(maxlen=RECENT))
+    recent: deque[str] = field(default_factory=deque)
     candidates: OrderedDict[str, _Candidate] = field(default_factory=OrderedDict)
-
-    def size(self) -> int:
-        return sum(len(t) for t in self.recent)
+    size: int = 0  # characters held in ``recent``
 
 
 @dataclass(slots=True)
@@ -138,8 +137,9 @@ class SpanMemory:
         max_patterns: int = 64,
         ttl_s: float = 7 * 24 * 3600.0,
         refresh_s: float = 30.0,
-        max_places: int = 256,
+        max_places: int = 4096,
         max_text: int = 65_536,
+        max_chars: int = 16 << 20,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -150,6 +150,8 @@ class SpanMemory:
         self.refresh_s = refresh_s
         self.max_places = max_places
         self.max_text = max_text
+        self.max_chars = max_chars
+        self._chars = 0  # characters held in every place's recent texts
         self._clock = clock
         self._monotonic = monotonic
         self._places: OrderedDict[tuple[str, Path], _Place] = OrderedDict()
@@ -253,8 +255,6 @@ class SpanMemory:
         place = self._places.get(slot)
         if place is None:
             place = self._places[slot] = _Place()
-            while len(self._places) > self.max_places:
-                self._places.popitem(last=False)
         else:
             self._places.move_to_end(slot)
         if text in place.recent and not place.candidates:
@@ -267,7 +267,22 @@ class SpanMemory:
                         self._candidate(place, pattern, old)
                     break
             place.recent.append(text)
+            place.size += len(text)
+            self._chars += len(text)
+            if len(place.recent) > RECENT:
+                dropped = len(place.recent.popleft())
+                place.size -= dropped
+                self._chars -= dropped
+        self._evict()
         return self._count(namespace, place, text)
+
+    def _evict(self) -> None:
+        """The least recently seen places go beyond ``max_places`` or ``max_chars``."""
+        while len(self._places) > 1 and (
+            len(self._places) > self.max_places or self._chars > self.max_chars
+        ):
+            _, gone = self._places.popitem(last=False)
+            self._chars -= gone.size
 
     def _candidate(self, place: _Place, pattern: SpanPattern, earlier: str) -> None:
         if pattern.id in place.candidates:

@@ -183,6 +183,12 @@ def test_the_memory_is_bounded() -> None:
     assert len(memory.patterns("ns")) == 3
     place = next(iter(memory._places.values()))
     assert len(place.recent) <= RECENT and len(place.candidates) <= CANDIDATES
+    small = SpanMemory(max_chars=4096)
+    for n in range(200):
+        small.observe("ns", [(("messages", 0, "content"), f"Text {n}. " * 60, ())])
+        small.observe("ns", [(("tools", n), BASE * 3, ())])
+    assert small._chars <= 4096 + len(BASE) * 3
+    assert sum(len(t) for p in small._places.values() for t in p.recent) == small._chars
 
 
 def test_dry_run_reports_and_forwards_the_original() -> None:
