@@ -306,7 +306,10 @@ class Canonicalizer:
         """Learn volatile spans from a request canonicalized as ``result`` (after it has been
         forwarded: off its critical path)."""
         if self.spans is not None and result.observed:
-            self.spans.observe(result.namespace, result.observed)
+            try:
+                self.spans.observe(result.namespace, result.observed)
+            except Exception:  # a bug costs the learning, never the rest of the learner
+                self._errors[VOLATILE_LEARNED] += 1
 
     def _count(self, result: CanonicalResult) -> None:
         for name in result.fired:
