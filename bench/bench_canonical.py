@@ -19,8 +19,8 @@ canonicalizer without a form memory) and ``learned`` (the proxy's default: each 
 only to the form first seen for it; the memory warmed by the first requests, as in a running
 proxy).
 
-Prints the median and p90 microseconds per ``apply`` (the request path); the learner's
-``learn`` (after the response, on the event loop); the cost of then
+Prints the median and p90 microseconds per ``apply`` (the request path, learning included);
+the cost of then
 measuring ``stable_bytes_gained`` (done when the record is written, after the response), alone
 and reusing the fingerprint's layout of the forwarded prompt; and, for scale, parsing the body
 with orjson and rendering it for the fingerprint.
@@ -105,14 +105,13 @@ def measure(size: int, scenario: str, repeat: int, forms: str) -> list[str]:
             with_build(b, f"{rng.getrandbits(16):04x}-{rng.randrange(100):02d}") for b in items
         ]
     for body in items[:20]:  # warm the caches (and learn) as a running proxy has them
-        canonicalizer.learn(canonicalizer.apply(CHAT, body))
+        canonicalizer.apply(CHAT, body)
     # The bench holds hundreds of parsed requests at once, which a proxy does not: keep the
     # garbage collector from scanning them again and again while it measures.
     gc.collect()
     gc.freeze()
     results: list[CanonicalResult] = []
     apply_us = timed(lambda b: results.append(canonicalizer.apply(CHAT, b)), items)
-    learn_us = timed(canonicalizer.learn, results)
     gains_us = timed(lambda r: r.measure_gains(), results)
     again = [canonicalizer.apply(CHAT, b) for b in items]
     layouts = [fingerprint(CHAT, r.body) for r in again]
@@ -133,7 +132,6 @@ def measure(size: int, scenario: str, repeat: int, forms: str) -> list[str]:
         fired.replace("volatile_", "v_").replace("stable_json", "json"),
         f"{statistics.median(apply_us):.0f}",
         f"{p90(apply_us):.0f}",
-        f"{statistics.median(learn_us):.0f}",
         f"{statistics.median(gains_us):.0f}",
         f"{statistics.median(reuse_us):.0f}",
         f"{statistics.median(parse_us):.0f}",
@@ -151,7 +149,6 @@ def main() -> None:
     for column in (
         "apply p50",
         "apply p90",
-        "learn p50",
         "gains p50",
         "gains, fp layout",
         "parse p50",

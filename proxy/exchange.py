@@ -178,8 +178,6 @@ def learn(state: ProxyState, record: RequestRecord, ex: Exchange) -> Awaitable[N
     statistics in the background (the returned coroutine).
     """
     state.scheduler.learn(record, ex.ticket)
-    if ex.canonical is not None:  # volatile spans, from the stable texts it carried
-        state.canonicalizer.learn(ex.canonical)
     target = ex.target
     if target is None:
         return None

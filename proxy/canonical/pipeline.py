@@ -10,9 +10,10 @@
    something.
 
 Learned spans. ``volatile_learned``'s detector is the patterns learned for the namespace
-(``proxy.canonical.span_memory``). Each result carries the stable texts it saw with the values
-found in them (``observed``); ``Canonicalizer.learn(result)``, called after the request (the
-proxy's record learner), teaches the memory from them.
+(``proxy.canonical.span_memory``). Each request's stable texts, with the values the detectors
+and the learned patterns found in them, are observed once (a text seen before costs a lookup;
+a changed one is compared with the place's recent texts), before relocating: a pattern the
+request completes applies to that very request.
 
 Learned forms. With a ``FormMemory`` (the proxy always has one) ``stable_json`` and
 ``whitespace`` rewrite a part only to the form first seen for it (``proxy.canonical.learned``):
@@ -151,9 +152,6 @@ class CanonicalResult:
     """Values the new note leaves out because a restored note already states them."""
     learned_spans: tuple[str, ...] = ()
     """Ids of the learned span patterns whose values were relocated (or would be, dry-run)."""
-    observed: tuple[Observed, ...] = field(default=(), repr=False, compare=False)
-    """The stable texts with the values found in them, for ``Canonicalizer.learn``."""
-    namespace: str = field(default="default", repr=False, compare=False)
 
     @property
     def stable_bytes_gained(self) -> dict[str, int]:
@@ -182,12 +180,12 @@ class _Run:
         "learned_ids",
         "meter",
         "notes",
-        "observed",
+        "observe",
         "skipped",
     )
 
     def __init__(self, route: str, body: dict[str, Any]) -> None:
-        self.observed: tuple[Observed, ...] = ()
+        self.observe = True  # learn volatile spans from this pass (once per request)
         self.learned_ids: list[str] = []
         self.notes: NoteContext | None = None
         self.deferred = False
@@ -295,21 +293,12 @@ class Canonicalizer:
         result = self._apply(route, body, namespace, True)
         if result.recall_notes and self.notes is not None:
             await self.notes.recall(namespace, result.recall_notes)
-            result = self._apply(route, body, namespace, False)
+            result = self._apply(route, body, namespace, False, observe=False)
         forms = self.forms
         if forms is not None and result.learned and await forms.settle(namespace, result.learned):
-            result = self._apply(route, body, namespace, False)
+            result = self._apply(route, body, namespace, False, observe=False)
         self._count(result)
         return result
-
-    def learn(self, result: CanonicalResult) -> None:
-        """Learn volatile spans from a request canonicalized as ``result`` (after it has been
-        forwarded: off its critical path)."""
-        if self.spans is not None and result.observed:
-            try:
-                self.spans.observe(result.namespace, result.observed)
-            except Exception:  # a bug costs the learning, never the rest of the learner
-                self._errors[VOLATILE_LEARNED] += 1
 
     def _count(self, result: CanonicalResult) -> None:
         for name in result.fired:
@@ -320,13 +309,20 @@ class Canonicalizer:
             self._skipped[name] += 1
 
     def _apply(
-        self, route: str, body: dict[str, Any], namespace: str, defer_notes: bool
+        self,
+        route: str,
+        body: dict[str, Any],
+        namespace: str,
+        defer_notes: bool,
+        *,
+        observe: bool = True,
     ) -> CanonicalResult:
         config = self.config
         kind = request_kind(route)
         if not config.enabled or kind is None or type(body) is not dict:
             return CanonicalResult(body)
         run = _Run(route, body)
+        run.observe = observe
         if self.notes is not None and kind == "chat":
             run.notes = NoteContext(self.notes, namespace, defer_notes)
         api = kind in API_KINDS
@@ -361,8 +357,6 @@ class Canonicalizer:
             notes_restored=run.notes.restored if run.notes else 0,
             note_values_omitted=run.notes.omitted if run.notes else 0,
             learned_spans=tuple(run.learned_ids),
-            observed=run.observed,
-            namespace=namespace,
         )
 
     def _learned(self, view: FormView, name: str, fixed: RewriteRule, api: bool) -> RewriteRule:
@@ -398,13 +392,14 @@ class Canonicalizer:
         api = kind in API_KINDS
         slots = api_stable_slots(kind, run.body) if api else stable_slots(run.body)
         finder = partial(api_note_target, kind) if api else None
-        found = detect(slots, self._detectors, self._detection_cache) if self._detectors else []
-        learned = self.spans.detection(namespace) if self.spans is not None else None
-        if learned is not None:
-            found = _merged(found, detect(slots, *learned))
-        if self.spans is not None:
-            finds = {id(slot): tuple(fs) for slot, fs in found}
-            run.observed = tuple((s.path, s.text, finds.get(id(s), ())) for s in slots)
+        detected = detect(slots, self._detectors, self._detection_cache) if self._detectors else []
+        spans = self.spans
+        learned = spans.detection(namespace) if spans is not None else None
+        found = detected if learned is None else _merged(detected, detect(slots, *learned))
+        if spans is not None and run.observe and self._observe(namespace, slots, found):
+            learned = spans.detection(namespace)  # this request taught a pattern: use it now
+            if learned is not None:
+                found = _merged(detected, detect(slots, *learned))
         if not found:
             return
         taken = placeholders_in(slots)
@@ -455,6 +450,24 @@ class Canonicalizer:
             run.dry.sort(key=RULE_NAMES.index)
             if VOLATILE_LEARNED in dry_rules:
                 self._learned_used(run, namespace, would)
+
+    def _observe(
+        self,
+        namespace: str,
+        slots: Sequence[TextSlot],
+        found: Sequence[tuple[TextSlot, list[Found]]],
+    ) -> bool:
+        """Teach the span memory this request's stable texts; whether it learned a pattern."""
+        assert self.spans is not None
+        finds = {id(slot): tuple(fs) for slot, fs in found}
+        observed: tuple[Observed, ...] = tuple(
+            (s.path, s.text, finds.get(id(s), ())) for s in slots
+        )
+        try:
+            return bool(self.spans.observe(namespace, observed))
+        except Exception:  # a bug costs the learning, never the request
+            self._errors[VOLATILE_LEARNED] += 1
+            return False
 
     def _learned_used(self, run: _Run, namespace: str, reloc: Relocation) -> None:
         """The learned patterns whose values ``reloc`` relocated, counted and listed."""

@@ -29,14 +29,14 @@ def body(n: int) -> dict[str, Any]:
 async def test_a_learned_span_is_relocated_and_reported(
     llama_fake: LlamaFake, make_proxy: MakeProxy
 ) -> None:
-    """Three requests teach the pattern and reach the backend as sent; the next two carry a
-    placeholder and a note, and name ``volatile_learned`` and the pattern id; /stats lists the
-    pattern with its hits and no value."""
+    """Two requests reach the backend as sent; the third completes the pattern, and it and the
+    next carry a placeholder and a note, and name ``volatile_learned`` and the pattern id;
+    /stats lists the pattern with its hits and no value."""
     client, records, _ = await make_proxy(llama_fake.url)
     for n in range(5):
         async with client.post("/v1/chat/completions", json=body(n)) as resp:
             assert resp.status == 200
-            learned = n >= 3
+            learned = n >= 2
             assert (resp.headers.get("X-Prefixgate-Canonical") == "volatile_learned") is learned
         record = await records.wait(n + 1)
         sent = llama_fake.last_body
@@ -49,13 +49,13 @@ async def test_a_learned_span_is_relocated_and_reported(
             assert sent["messages"][-1]["content"].endswith(f"[[build_1]] = {BUILDS[n]}")
             assert record.canonical_rules == ["volatile_learned"]
             assert record.canonical_learned_spans is not None
-    assert record.canonical_notes_restored == 1  # turn 4's note, put back on turn 5
+    assert record.canonical_notes_restored == 2  # turns 3 and 4's notes, put back on turn 5
     async with client.admin.get("/stats") as resp:
         stats = await resp.json()
     assert_valid(stats)
     (span,) = stats["canonical"]["learned_spans"]
     assert span["id"] == record.canonical_learned_spans[0]
-    assert span["hits"] == 2 and span["value_class"] == "token" and span["origin"] == "traffic"
+    assert span["hits"] == 3 and span["value_class"] == "token" and span["origin"] == "traffic"
     assert not any(b in str(stats) for b in BUILDS)
 
 

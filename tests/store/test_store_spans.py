@@ -35,7 +35,7 @@ async def test_a_proxy_relocates_a_span_another_proxy_learned(make_store: StoreF
     a.spans.bind(first_store)
     b.spans.bind(second_store)
     for n in range(3):
-        a.learn(await a.canonicalize(CHAT, body(n), namespace="t"))
+        await a.canonicalize(CHAT, body(n), namespace="t")
     await a.spans.drain()
     (stored,) = await second_store.recall("t", STORE_KIND, [STORE_KEY])
     assert stored is not None and b"Build: " in stored

@@ -40,9 +40,7 @@ def chat_turn(n: int, values: Sequence[str] = BUILDS) -> dict[str, Any]:
 def run(c: Canonicalizer, bodies: Sequence[dict[str, Any]]) -> list[Any]:
     out = []
     for body in bodies:
-        result = c.apply(CHAT, body)
-        c.learn(result)
-        out.append(result)
+        out.append(c.apply(CHAT, body))
     return out
 
 
@@ -96,22 +94,22 @@ def test_texts_that_mostly_differ_are_not_one_template() -> None:
     assert template_spans("A1 b c d e f g h i j k l", "A2 x y z w v u t s r q p") is None
 
 
-def test_a_span_is_learned_after_three_requests_with_three_values_and_then_relocated() -> None:
-    """Requests 1-3 teach the pattern and pass untouched; from the 4th the value is a
-    placeholder in the system prompt and is stated in the note."""
+def test_a_span_is_learned_at_the_third_request_with_three_values_and_relocated() -> None:
+    """Requests 1-2 pass untouched; the third completes the pattern and is relocated at once:
+    the value is a placeholder in the system prompt and is stated in the note."""
     c = Canonicalizer()
     results = run(c, [chat_turn(n) for n in range(5)])
-    assert [r.fired for r in results[:3]] == [(), (), ()]
-    assert all(r.body is chat_turn(n) or r.body == chat_turn(n) for n, r in enumerate(results[:3]))
+    assert [r.fired for r in results[:2]] == [(), ()]
+    assert all(r.body == chat_turn(n) for n, r in enumerate(results[:2]))
     assert c.spans is not None
     (pattern,) = c.spans.patterns("default")
-    fourth = results[3]
-    assert fourth.fired == ("volatile_learned",) and fourth.learned_spans == (pattern.id,)
-    messages = fourth.body["messages"]
+    third = results[2]
+    assert third.fired == ("volatile_learned",) and third.learned_spans == (pattern.id,)
+    messages = third.body["messages"]
     assert messages[0]["content"] == "Build: [[build_1]]\n" + BASE
-    assert messages[-1]["content"] == "Question 3?\n\n[[build_1]] = 0d0e-11"
+    assert messages[-1]["content"] == "Question 2?\n\n[[build_1]] = 91ab-77"
     stats = c.spans.stats("default")
-    assert stats[0]["hits"] == 2 and stats[0]["anchor"] == "Build: "
+    assert stats[0]["hits"] == 3 and stats[0]["anchor"] == "Build: "
     assert "7f3a" not in json.dumps(stats)
 
 
@@ -120,7 +118,7 @@ def test_history_is_byte_identical_across_turns_once_learned() -> None:
     backend as it did on the previous turn; the note states only the new value."""
     c = Canonicalizer()
     results = run(c, [chat_turn(n) for n in range(7)])
-    for prev, cur in pairwise(results[3:]):
+    for prev, cur in pairwise(results[2:]):
         before = prev.body["messages"]
         assert json.dumps(cur.body["messages"][: len(before)]) == json.dumps(before)
         assert cur.notes_restored >= 1
@@ -199,7 +197,7 @@ def test_dry_run_reports_and_forwards_the_original() -> None:
     results = run(c, [chat_turn(n) for n in range(5)])
     assert c.spans is not None
     (pattern,) = c.spans.patterns("default")
-    for n, r in enumerate(results[3:], start=3):
+    for n, r in enumerate(results[2:], start=2):
         assert r.body == chat_turn(n) and r.fired == ()
         assert r.dry_run_fired == ("volatile_learned",) and r.learned_spans == (pattern.id,)
 
@@ -240,11 +238,9 @@ async def test_a_store_failure_costs_only_the_sharing() -> None:
     c.spans.bind(FailingStore())
     results = []
     for n in range(5):
-        result = await c.canonicalize(CHAT, chat_turn(n))
-        c.learn(result)
-        results.append(result)
+        results.append(await c.canonicalize(CHAT, chat_turn(n)))
     await c.spans.drain()
-    assert results[4].fired == ("volatile_learned",)
+    assert results[2].fired == results[4].fired == ("volatile_learned",)
     assert c.spans.store_failures >= 2
 
 
@@ -256,7 +252,7 @@ async def test_a_proxy_relocates_what_another_learned_from_its_first_request() -
     a.spans.bind(store)
     b.spans.bind(store)
     for n in range(3):
-        a.learn(await a.canonicalize(CHAT, chat_turn(n), namespace="t"))
+        await a.canonicalize(CHAT, chat_turn(n), namespace="t")
     assert a.spans.patterns("default") == ()
     await a.spans.drain()
     first = await b.canonicalize(CHAT, chat_turn(3), namespace="t")
@@ -286,6 +282,6 @@ def test_stable_tools_with_a_learned_description_value() -> None:
         }
 
     results = run(c, [body(n) for n in range(4)])
-    assert results[3].fired == ("volatile_learned",)
+    assert results[1].fired == () and results[2].fired == ("volatile_learned",)
     description = results[3].body["tools"][0]["function"]["description"]
     assert "[[tag_1]]" in description and BUILDS[3] not in description
