@@ -1,8 +1,12 @@
 """What the proxy learned about volatile spans: observations, learned patterns, the shared copy.
 
-``SpanMemory.observe`` is the learner's side, called after a request (off its critical path)
-with the stable texts the canonicalizer saw (tools' descriptions, the leading system prompts),
-the values the detectors and the learned patterns already found there masked. Per place
+``SpanMemory.observe`` is the learning side, called by the canonicalizer once per request,
+before it relocates, with the stable texts it saw (tools' descriptions, the leading system
+prompts), the values the detectors and the learned patterns already found there masked (so a
+pattern a request completes applies to that request). It is cheap: a text seen before costs a
+comparison with the place's recent texts, a changed one a bounded comparison with each
+(``judge_pair``: a common prefix, then at most ``MAX_SPANS`` short resynchronisations); store
+reads and writes run in the background. Per place
 (namespace and JSON path) it keeps the last few distinct texts; a new text is compared with
 them (``proxy.canonical.spans.judge_pair``), and every value the comparison finds becomes a
 *candidate* pattern. A candidate is *learned* once it has matched ``min_requests`` requests of
@@ -10,8 +14,8 @@ that place with ``min_values`` distinct values among them. A text that shares no
 the recent ones (new content) gives no candidate; a text that is the same as a recent one costs
 a dict lookup.
 
-The request path reads ``detection(namespace)``: the learned patterns' detector and a
-detection cache, rebuilt when the patterns change; no I/O.
+The relocation reads ``detection(namespace)``: the learned patterns' detector and a detection
+cache, rebuilt when the patterns change; no I/O.
 
 Shared memory. The learned patterns of a namespace are kept in the store's small memory
 (``PrefixStore.remember`` / ``recall``, kind ``span``, one key per namespace, ``ttl_s``), so
@@ -216,10 +220,11 @@ class SpanMemory:
         ns = self._namespaces.get(namespace)
         return ns is None or ns.refreshed is None
 
-    # -- the learner -----------------------------------------------------------------------
+    # -- learning --------------------------------------------------------------------------
 
     def observe(self, namespace: str, observed: Sequence[Observed]) -> list[SpanPattern]:
-        """Learn from one request's stable texts; the patterns it taught (usually none)."""
+        """Learn from one request's stable texts (once per request); the patterns it taught
+        (usually none)."""
         taught: list[SpanPattern] = []
         for path, text, finds in observed:
             if len(text) > self.max_text:
