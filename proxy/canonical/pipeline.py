@@ -83,7 +83,7 @@ from proxy.canonical.relocation import (
     stable_slots,
 )
 from proxy.canonical.slots import TextSlot
-from proxy.canonical.span_memory import Observed, SpanMemory
+from proxy.canonical.span_memory import SpanMemory
 from proxy.canonical.stable_json import stable_json
 from proxy.canonical.whitespace import whitespace
 from proxy.fingerprint import (
@@ -459,12 +459,9 @@ class Canonicalizer:
     ) -> bool:
         """Teach the span memory this request's stable texts; whether it learned a pattern."""
         assert self.spans is not None
-        finds = {id(slot): tuple(fs) for slot, fs in found}
-        observed: tuple[Observed, ...] = tuple(
-            (s.path, s.text, finds.get(id(s), ())) for s in slots
-        )
+        finds = {id(slot): tuple(fs) for slot, fs in found} if found else {}
         try:
-            return bool(self.spans.observe(namespace, observed))
+            return bool(self.spans.observe_slots(namespace, slots, finds))
         except Exception:  # a bug costs the learning, never the request
             self._errors[VOLATILE_LEARNED] += 1
             return False

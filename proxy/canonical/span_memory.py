@@ -47,6 +47,7 @@ from proxy.canonical.config import VOLATILE_LEARNED
 from proxy.canonical.detectors import Detector, Found
 from proxy.canonical.draft import Path
 from proxy.canonical.relocation import DetectionCache
+from proxy.canonical.slots import TextSlot
 from proxy.canonical.spans import SpanPattern, finder, identify, judge_pair
 
 if TYPE_CHECKING:
@@ -156,6 +157,10 @@ class SpanMemory:
         self.max_text = max_text
         self.max_chars = max_chars
         self._chars = 0  # characters held in every place's recent texts
+        # Texts the same as a recent text of a place with no candidate: the fast path of a
+        # stable application (a string's hash is cached on it, so this is one set lookup per
+        # text). Cleared when a candidate appears, so that every text counts for it.
+        self._settled: set[tuple[str, Path, str]] = set()
         self._clock = clock
         self._monotonic = monotonic
         self._places: OrderedDict[tuple[str, Path], _Place] = OrderedDict()
@@ -222,15 +227,30 @@ class SpanMemory:
 
     # -- learning --------------------------------------------------------------------------
 
+    def observe_slots(
+        self, namespace: str, slots: Sequence[TextSlot], finds: Mapping[int, tuple[Found, ...]]
+    ) -> list[SpanPattern]:
+        """``observe`` for the canonicalizer's text slots, ``finds`` keyed by ``id(slot)``;
+        the texts already settled are passed over without building anything."""
+        settled = self._settled
+        todo = [
+            (slot.path, slot.text, fs)
+            for slot in slots
+            if (fs := finds.get(id(slot), ())) or (namespace, slot.path, slot.text) not in settled
+        ]
+        if not todo and self._store is None:
+            return []
+        return self.observe(namespace, todo)
+
     def observe(self, namespace: str, observed: Sequence[Observed]) -> list[SpanPattern]:
         """Learn from one request's stable texts (once per request); the patterns it taught
         (usually none)."""
         taught: list[SpanPattern] = []
+        settled = self._settled
         for path, text, finds in observed:
-            if len(text) > self.max_text:
+            if len(text) > self.max_text or (not finds and (namespace, path, text) in settled):
                 continue
-            learned = self._observe_text(namespace, path, masked(text, finds))
-            taught += learned
+            taught += self._observe_text(namespace, path, masked(text, finds), not finds)
         if taught:
             ns = self._ns(namespace)
             assert ns is not None
@@ -255,7 +275,9 @@ class SpanMemory:
                 self._background(self.refresh(namespace))
         return taught
 
-    def _observe_text(self, namespace: str, path: Path, text: str) -> list[SpanPattern]:
+    def _observe_text(
+        self, namespace: str, path: Path, text: str, plain: bool
+    ) -> list[SpanPattern]:
         slot = (namespace, path)
         place = self._places.get(slot)
         if place is None:
@@ -263,6 +285,8 @@ class SpanMemory:
         else:
             self._places.move_to_end(slot)
         if text in place.recent and not place.candidates:
+            if plain:
+                self._remember_settled((namespace, path, text))
             return []  # a stable text: the common case
         if text not in place.recent:
             for old in reversed(place.recent):
@@ -289,9 +313,15 @@ class SpanMemory:
             _, gone = self._places.popitem(last=False)
             self._chars -= gone.size
 
+    def _remember_settled(self, key: tuple[str, Path, str]) -> None:
+        if len(self._settled) >= 4 * self.max_places:
+            self._settled.clear()
+        self._settled.add(key)
+
     def _candidate(self, place: _Place, pattern: SpanPattern, earlier: str) -> None:
         if pattern.id in place.candidates:
             return
+        self._settled.clear()  # the texts of this place count again
         cand = place.candidates[pattern.id] = _Candidate(pattern)
         for start, end in pattern.values(earlier):  # the earlier request is one of its matches
             cand.values.add(earlier[start:end])
