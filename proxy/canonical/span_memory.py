@@ -158,9 +158,10 @@ class SpanMemory:
         self.max_chars = max_chars
         self._chars = 0  # characters held in every place's recent texts
         # Texts the same as a recent text of a place with no candidate: the fast path of a
-        # stable application (a string's hash is cached on it, so this is one set lookup per
-        # text). Cleared when a candidate appears, so that every text counts for it.
-        self._settled: set[tuple[str, Path, str]] = set()
+        # stable application (a string caches its hash, so this is one set lookup per text;
+        # the path is left out of the key, which would cost hashing it on every request).
+        # Cleared when a candidate appears, so that every text counts for it.
+        self._settled: set[tuple[str, str]] = set()
         self._clock = clock
         self._monotonic = monotonic
         self._places: OrderedDict[tuple[str, Path], _Place] = OrderedDict()
@@ -236,7 +237,7 @@ class SpanMemory:
         todo = [
             (slot.path, slot.text, fs)
             for slot in slots
-            if (fs := finds.get(id(slot), ())) or (namespace, slot.path, slot.text) not in settled
+            if (fs := finds.get(id(slot), ())) or (namespace, slot.text) not in settled
         ]
         if not todo and self._store is None:
             return []
@@ -248,7 +249,7 @@ class SpanMemory:
         taught: list[SpanPattern] = []
         settled = self._settled
         for path, text, finds in observed:
-            if len(text) > self.max_text or (not finds and (namespace, path, text) in settled):
+            if len(text) > self.max_text or (not finds and (namespace, text) in settled):
                 continue
             taught += self._observe_text(namespace, path, masked(text, finds), not finds)
         if taught:
@@ -286,7 +287,7 @@ class SpanMemory:
             self._places.move_to_end(slot)
         if text in place.recent and not place.candidates:
             if plain:
-                self._remember_settled((namespace, path, text))
+                self._remember_settled((namespace, text))
             return []  # a stable text: the common case
         if text not in place.recent:
             for old in reversed(place.recent):
@@ -313,7 +314,7 @@ class SpanMemory:
             _, gone = self._places.popitem(last=False)
             self._chars -= gone.size
 
-    def _remember_settled(self, key: tuple[str, Path, str]) -> None:
+    def _remember_settled(self, key: tuple[str, str]) -> None:
         if len(self._settled) >= 4 * self.max_places:
             self._settled.clear()
         self._settled.add(key)

@@ -284,6 +284,9 @@ def judge(
         return None
     if not any(c.isalnum() for c in va) or not any(c.isalnum() for c in vb):
         return None
+    for text, lo, hi in ((a, a_lo, a_hi), (b, b_lo, b_hi)):
+        if "[[" in text and any(m.start() < hi and lo < m.end() for m in _MARK.finditer(text)):
+            return None  # inside a placeholder or a masked value: never a value of its own
     value_class = _value_class((va, vb))
     if value_class is None:
         return None

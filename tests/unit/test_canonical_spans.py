@@ -82,6 +82,7 @@ def test_two_values_close_together_are_two_patterns() -> None:
         (BASE + "Key: " + "a" * 70, BASE + "Key: " + "b" * 70),  # too long for a value
         (BASE + "\n7f3a\n" + BASE, BASE + "\n8c21\n" + BASE),  # nothing before it on its line
         ("Build: 7f3a", "Build: 8c21"),  # no template around it
+        (BASE + "Now: [[datetime_0]] here.", BASE + "Now: [[datetime_1]] here."),  # placeholders
     ],
 )
 def test_content_is_not_a_learnable_value(a: str, b: str) -> None:
