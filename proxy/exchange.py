@@ -10,6 +10,7 @@ and the statistics), which reads the stage results the record was built from.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +77,8 @@ class Exchange:
     upstream_body: bytes = b""
     on_first_token: Callable[[Mapping[str, Any]], None] | None = None
     """Told once, with the event (or whole answer) that carried the backend's first token."""
+    forwarded: asyncio.Event | None = None
+    """Set when the request is handed to the backend (work that can wait for it waits)."""
     response_headers: dict[str, str] = field(default_factory=dict)
     """The proxy's own headers on the client's response (set before it starts)."""
     send_timeout_s: float | None = None

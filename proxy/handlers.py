@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 import orjson
@@ -84,7 +84,9 @@ def added_fields(raw: bytes, original: dict[str, Any], body: dict[str, Any]) -> 
         for key, value in body.items()
         if key not in original
     )
-    return end[:-1] + b"," + extra + b"}" if extra else raw
+    if not extra:
+        return raw
+    return b"".join((memoryview(end)[:-1], b",", extra, b"}"))  # one copy of a large body
 
 
 def _target(state: ProxyState, view: PrefixView, decision: Decision) -> Target:
@@ -197,11 +199,14 @@ async def _attempt(
     replica.in_flight += 1
     # One background task, the count first: a task's first step runs before any task spawned
     # after it, so the store applies this +1 before the -1 of the ``finally`` below, however
-    # fast that comes (behind the claim's two round trips, it could come after it).
+    # fast that comes (behind the claim's two round trips, it could come after it). This
+    # proxy sees the claim at once (``PrefixTracker.claim``); its write to the store, a walk
+    # over every block, waits until the request is on its way to the backend.
+    ex.forwarded = forwarded = asyncio.Event()
     state.writer.spawn(
         _in_order(
             state.tracker.in_flight(view, replica.url, +1),
-            state.tracker.claim(view, replica.url, capacity, out.model),
+            _after(forwarded, state.tracker.claim(view, replica.url, capacity, out.model)),
         )
     )
     ex.ticket = ticket = Ticket()  # held before the scheduler may wait (see ``learn``)
@@ -237,10 +242,25 @@ async def _attempt(
             retry=retry,
         )
     finally:
+        forwarded.set()  # not forwarded after all: the claim is written now
         if admitted:
             ticket.end(ok=200 <= ex.status < 400 and ex.error is None, usage=ex.obs)
         replica.in_flight -= 1
         state.writer.spawn(state.tracker.in_flight(view, replica.url, -1))
+
+
+async def _after(event: asyncio.Event, work: Awaitable[None]) -> None:
+    """``work`` once ``event`` is set and the request's own writes had their turn: the body
+    is written by a task the client library starts right after the event (tasks run in
+    order), so one more turn of the loop lets it go first."""
+    try:
+        await event.wait()
+        await asyncio.sleep(0)
+    except BaseException:
+        if isinstance(work, Coroutine):
+            work.close()  # cancelled first (shutting down): never started
+        raise
+    await work
 
 
 async def _in_order(first: Awaitable[None], then: Awaitable[None]) -> None:

@@ -164,6 +164,8 @@ async def relay_inference(
     With ``retry``, a failure before anything reached the client raises ``NotStarted``.
     """
     ex.obs.t_forward = monotonic()
+    if ex.forwarded is not None:
+        ex.forwarded.set()
     try:
         upstream = await open_upstream(
             session,
