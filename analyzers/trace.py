@@ -137,6 +137,9 @@ class Trace:
     template_clocks: dict[str, str] = field(default_factory=dict)
     """Backends whose chat template prints the ``date`` or ``time`` into every prompt (from the
     records' ``template_clock``)."""
+    learned_spans: dict[str, int] = field(default_factory=dict)
+    """Requests per learned volatile-span pattern id whose value the proxy relocated (from the
+    records' ``canonical_learned_spans``)."""
 
     def sort(self) -> None:
         """Put requests in timestamp order (stable: file order breaks ties)."""

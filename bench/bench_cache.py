@@ -301,6 +301,7 @@ def run(
     note_placement: str | None = None,
     server_args: Sequence[str] = (),
     report_name: str = "cache",
+    canonical: str | None = None,
 ) -> dict[str, Any]:
     report: dict[str, Any] = {
         "machine": {
@@ -319,11 +320,17 @@ def run(
     }
     with tempfile.TemporaryDirectory(prefix="pg-cache-") as tmp:
         proxy_args: list[str] = proxy_args_for(server_args)
-        if note_placement is not None:
+        if note_placement is not None or canonical is not None:
             config = Path(tmp) / "prefixgate.toml"
-            config.write_text(f'[canonical]\nnote_placement = "{note_placement}"\n')
+            table = "[canonical]\n"
+            if note_placement is not None:
+                table += f'note_placement = "{note_placement}"\n'
+                report["note_placement"] = note_placement
+            if canonical is not None:  # e.g. "rules.volatile_learned.min_values = 2"
+                table += canonical.replace(";", "\n") + "\n"
+                report["canonical"] = canonical
+            config.write_text(table)
             proxy_args += ["--config", str(config)]
-            report["note_placement"] = note_placement
         for name in names:
             print(f"== {name}", flush=True)
             t0 = time.monotonic()
@@ -418,6 +425,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=NOTE_PLACEMENTS,
         help="the canonicalizer's note_placement for the proxied runs (default: its default)",
     )
+    parser.add_argument(
+        "--canonical",
+        help="more [canonical] TOML lines for the proxied runs, ';'-separated "
+        "(e.g. 'rules.volatile_learned.min_values = 2')",
+    )
     args = parser.parse_args(argv)
     scale = workloads.QUICK if args.quick else workloads.Scale()
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
@@ -432,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         args.note_placement,
         shlex.split(args.server_args),
         args.name,
+        args.canonical,
     )
     print_table(report)
     print(f"wrote {Path(args.out) / (args.name + '.json')}")

@@ -177,6 +177,8 @@ def build_app(
             app[STATE] = state
             if canonicalizer.forms is not None:  # learned forms are shared through the store
                 canonicalizer.forms.bind(store)
+            if canonicalizer.spans is not None:  # so are learned volatile spans
+                canonicalizer.spans.bind(store)
             try:
                 # Off every request's deadline: the first prefixes learned are not lost to a
                 # cold connection (bounded; a Redis that is down only leaves the store degraded).
@@ -199,6 +201,8 @@ def build_app(
                 await record_writer.drain()
                 if canonicalizer.forms is not None:
                     await canonicalizer.forms.drain()
+                if canonicalizer.spans is not None:
+                    await canonicalizer.spans.drain()
                 if tracer is not None:  # flushes what is queued; blocking, so in a thread
                     await asyncio.to_thread(tracer.shutdown)
         finally:

@@ -137,6 +137,7 @@ def build_record(
         record.canonical_dry_run_rules = list(canonical.dry_run_fired) or None
         record.canonical_notes_restored = canonical.notes_restored or None
         record.canonical_note_values_omitted = canonical.note_values_omitted or None
+        record.canonical_learned_spans = list(canonical.learned_spans) or None
         record.canonical_stable_bytes = canonical.stable_bytes_gained or None
     if ex.affinity is not None:
         record.affinity_key = ex.affinity.hashed

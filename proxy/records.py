@@ -182,6 +182,13 @@ class RequestRecord:
         default=None,
         metadata=when_set("Volatile values left out of the note (unchanged since it was written)."),
     )
+    canonical_learned_spans: list[str] | None = field(
+        default=None,
+        metadata=when_set(
+            "Ids of the learned volatile-span patterns whose values were relocated (or, with "
+            "volatile_learned in dry-run, would have been); see /stats canonical.learned_spans."
+        ),
+    )
     canonical_stable_bytes: dict[str, int] | None = field(
         default=None,
         metadata=when_set(

@@ -31,6 +31,7 @@ def full_record() -> RequestRecord:
         canonical_dry_run_rules=["relocate_timestamps"],
         canonical_notes_restored=1,
         canonical_note_values_omitted=2,
+        canonical_learned_spans=["73ed1a84d1c6"],
         canonical_stable_bytes={"relocate_timestamps": 120},
         affinity_key="00000000000000ff",
         affinity_source="prompt_cache_key",
