@@ -97,6 +97,7 @@ class Analysis:
             "timeline": [asdict(b) for b in self.timeline],
             "notes": t.notes,
             "template_clocks": t.template_clocks,
+            "learned_spans": t.learned_spans,
             "seconds": self.seconds,
         }
 
@@ -175,6 +176,12 @@ def analyze(
         top=opts.top,
     )
     trace.notes.extend(template_clock_notes(trace.template_clocks))
+    if trace.learned_spans:
+        listed = ", ".join(f"{k} ({n})" for k, n in sorted(trace.learned_spans.items()))
+        trace.notes.append(
+            "the proxy relocated values it learned from traffic (volatile_learned), by pattern "
+            f"id (requests): {listed}; /stats canonical.learned_spans describes each"
+        )
     if trace.without_prefix:
         trace.notes.append(
             f"{trace.without_prefix} records had neither prefix segments nor a body: "

@@ -29,7 +29,13 @@ import xxhash
 
 from analyzers.divergence import Prompt, Span, canonical_json, dumps, normalise_lines, walk
 from analyzers.ideal import IdealReplay
-from analyzers.spans import CUSTOM_PREFIX, RULE_NOTE, RULE_STABLE_JSON, RULE_WHITESPACE
+from analyzers.spans import (
+    CUSTOM_PREFIX,
+    RULE_LEARNED,
+    RULE_NOTE,
+    RULE_STABLE_JSON,
+    RULE_WHITESPACE,
+)
 from analyzers.trace import PrefixKey, TraceRequest
 
 POOL = 6  # recent requests of the same application walked against each request
@@ -42,6 +48,11 @@ NOTE_HINT = (
     "is dropped when the application resends the message, and breaks the turns after it; the "
     '[canonical] defaults (note_placement = "last_suffix", note_memory = true) put the note '
     "after the newest message and restore earlier notes, so the history stays byte-identical"
+)
+LEARNED_HINT = (
+    "a value no detector knows, between literal text the requests share: prefixgate learns it "
+    "from traffic (volatile_learned, on by default) after three requests of the template with "
+    "three distinct values, and relocates it from then on; the label is the pattern it learns"
 )
 _HINTS = {
     "tools": "tool schemas changed; stable_json if only key or tool order differs",
@@ -87,6 +98,9 @@ class Breaker:
         }
 
 
+_HINT_BY_RULE = {RULE_NOTE: NOTE_HINT, RULE_LEARNED: LEARNED_HINT}
+
+
 def find_breakers(requests: Sequence[TraceRequest], ideal: IdealReplay) -> list[Breaker]:
     """All breakers found, ranked by tokens lost."""
     found: dict[tuple[str, str, str, str], Breaker] = {}
@@ -101,6 +115,8 @@ def _label(span: Span) -> str:
         return rule[len(CUSTOM_PREFIX) :]
     if rule in (RULE_STABLE_JSON, RULE_WHITESPACE):
         return span.where
+    if rule == RULE_LEARNED:  # the pattern the proxy learns: anchors and value class
+        return span.kind.context
     # Digits in the context are often another volatile value: mask them so occurrences group.
     return _DIGITS.sub("#", span.kind.context.strip()) or span.where
 
@@ -183,7 +199,7 @@ def _walk_best(
                 later=span.later,
                 before=span.kind.before,
                 after=span.kind.after,
-                hint=NOTE_HINT if span.kind.rule == RULE_NOTE else "",
+                hint=_HINT_BY_RULE.get(span.kind.rule, ""),
             )
         breaker.occurrences += 1
         breaker.requests.add(idx)

@@ -37,6 +37,7 @@ MAX_SPANS = 8
 MIN_RUN = 32  # agreeing bytes that settle a span (shorter may be a coincidence)
 MAX_CLUSTER = 256  # bytes of short differences and agreements held before calling it new
 EXCERPT = 36  # bytes of context either side of a span in examples
+STABLE_KINDS = frozenset({"system", "tools"})  # where the proxy learns volatile spans
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +189,8 @@ def walk(a: Prompt, b: Prompt) -> tuple[list[Span], int]:
             if found is None:
                 break
             a_end, b_end = found
-            kind = classify(da, pa, a_end, db, pb, b_end)
+            stable = b.rendered.segments[seg_b].kind in STABLE_KINDS
+            kind = classify(da, pa, a_end, db, pb, b_end, stable=stable)
         run = first_difference(da, a_end, db, b_end)
         settled = run >= MIN_RUN or a_end + run >= len(da) or b_end + run >= len(db)
         # A segment rule keeps the rest of its segment cacheable, whatever follows it.

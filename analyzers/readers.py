@@ -63,6 +63,7 @@ K_BACKEND = record_key("backend")
 K_MODEL = record_key("model")
 K_TENANT = record_key("tenant")
 K_TEMPLATE_CLOCK = record_key("template_clock")
+K_LEARNED_SPANS = record_key("canonical_learned_spans")
 K_CANONICAL_RULES = record_key("canonical_rules")
 K_AFFINITY_KEY = record_key("affinity_key")
 K_BODY = record_key("body")
@@ -300,6 +301,11 @@ def _from_record(obj: dict[str, Any], source: str, trace: Trace) -> TraceRequest
         affinity_key=_hex_or_none(get(K_AFFINITY_KEY)),
     )
     trace.misses.add(get)
+    learned = get(K_LEARNED_SPANS)
+    if type(learned) is list:
+        for pid in learned:
+            if type(pid) is str:
+                trace.learned_spans[pid] = trace.learned_spans.get(pid, 0) + 1
     clock = get(K_TEMPLATE_CLOCK)
     if type(clock) is str:
         trace.template_clocks[request.backend or "backend"] = clock

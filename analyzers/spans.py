@@ -9,6 +9,9 @@ a short difference, and a classification of the difference:
   default options) find on both sides, so a rule is named only where the proxy would fire;
 - ``whitespace``: only line endings or trailing blanks differ;
 - ``stable_json`` is decided at segment level (see ``breakers``), not here;
+- ``volatile_learned``: in a stable segment (system prompt, tools), a value the proxy would learn
+  from traffic: the span is judged by the proxy's own ``proxy.canonical.spans.judge`` (a short
+  token between literal anchors), so it is named only where the proxy would learn it;
 - otherwise a regex suggestion for a custom volatile pattern, built from the literal text just
   before the value and the value's character class.
 """
@@ -18,14 +21,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from proxy.canonical.config import CanonicalConfig
+from proxy.canonical.config import VOLATILE_LEARNED, CanonicalConfig
 from proxy.canonical.detectors import ascii_view, build_detectors
+from proxy.canonical.spans import SpanPattern, judge
 
 RULE_STABLE_JSON = "stable_json"
 RULE_WHITESPACE = "whitespace"
 RULE_TIMESTAMPS = "volatile_timestamps"
 RULE_UUIDS = "volatile_uuids"
 RULE_HEX = "volatile_hex_ids"
+RULE_LEARNED = VOLATILE_LEARNED
 RULE_REWRITTEN = "none: content rewritten (no safe rule)"
 RULE_NOTE = 'note_placement = "last_suffix" with note_memory = true (the defaults)'
 """The value differs inside prefixgate's own relocation note (``[[datetime_1]] = ...``): the
@@ -150,9 +155,38 @@ def _show(data: bytes) -> str:
 _NOTE_LINE = re.compile(r"\[\[[A-Za-z0-9_]+_\d+\]\] =")
 
 
-def classify(a: bytes, a_lo: int, a_hi: int, b: bytes, b_lo: int, b_hi: int) -> SpanKind:
-    """Name the rule that would make ``a[a_lo:a_hi]`` and ``b[b_lo:b_hi]`` not matter."""
-    kind = _classify(a, a_lo, a_hi, b, b_lo, b_hi)
+_LEARN_WINDOW = 160  # bytes either side of a span handed to the span judge
+
+
+def learnable(
+    a: bytes, a_lo: int, a_hi: int, b: bytes, b_lo: int, b_hi: int
+) -> tuple[SpanPattern, str, str] | None:
+    """The pattern the proxy would learn for this span (``proxy.canonical.spans.judge``, on
+    the text around it) and the two values it finds there, or None."""
+    # One character per byte (latin-1), so offsets stay byte offsets.
+    sa, sb = max(0, a_lo - _LEARN_WINDOW), max(0, b_lo - _LEARN_WINDOW)
+    ta = a[sa : a_hi + _LEARN_WINDOW].decode("latin-1")
+    tb = b[sb : b_hi + _LEARN_WINDOW].decode("latin-1")
+    pattern = judge(ta, (a_lo - sa, a_hi - sa), tb, (b_lo - sb, b_hi - sb))
+    if pattern is None:
+        return None
+    values = []
+    for data, text, lo, hi in ((a, ta, a_lo - sa, a_hi - sa), (b, tb, b_lo - sb, b_hi - sb)):
+        start = sa if data is a else sb
+        span = next(((s, e) for s, e in pattern.values(text) if s <= lo and hi <= e), (lo, hi))
+        values.append(_show(data[start + span[0] : start + span[1]]))
+    return pattern, values[0], values[1]
+
+
+def classify(
+    a: bytes, a_lo: int, a_hi: int, b: bytes, b_lo: int, b_hi: int, *, stable: bool = False
+) -> SpanKind:
+    """Name the rule that would make ``a[a_lo:a_hi]`` and ``b[b_lo:b_hi]`` not matter.
+
+    ``stable``: the span is in a stable segment (system prompt, tools), where the proxy learns
+    volatile spans.
+    """
+    kind = _classify(a, a_lo, a_hi, b, b_lo, b_hi, stable)
     if _NOTE_LINE.fullmatch(kind.context.strip()):  # strip: also the content-start mark
         # A value in the note prefixgate's canonicalizer wrote: the value was relocated
         # already, but the note was placed before messages that follow it.
@@ -160,7 +194,9 @@ def classify(a: bytes, a_lo: int, a_hi: int, b: bytes, b_lo: int, b_hi: int) -> 
     return kind
 
 
-def _classify(a: bytes, a_lo: int, a_hi: int, b: bytes, b_lo: int, b_hi: int) -> SpanKind:
+def _classify(
+    a: bytes, a_lo: int, a_hi: int, b: bytes, b_lo: int, b_hi: int, stable: bool
+) -> SpanKind:
     sa, sb = a[a_lo:a_hi], b[b_lo:b_hi]
     if _line_end_blanks(a, a_lo, a_hi) and _line_end_blanks(b, b_lo, b_hi):
         return SpanKind(RULE_WHITESPACE, _show(sa), _show(sb), _show(_context(b, b_lo)))
@@ -170,6 +206,9 @@ def _classify(a: bytes, a_lo: int, a_hi: int, b: bytes, b_lo: int, b_hi: int) ->
         if ma is not None and mb is not None:
             va, vb = a[ma[0] : ma[1]], b[mb[0] : mb[1]]
             return SpanKind(rule, _show(va), _show(vb), _show(_context(b, mb[0])))
+    if stable and (learned := learnable(a, a_lo, a_hi, b, b_lo, b_hi)) is not None:
+        pattern, before, after = learned
+        return SpanKind(RULE_LEARNED, before, after, pattern.describe())
     ta, tb = _token(a, a_lo, a_hi), _token(b, b_lo, b_hi)
     va, vb = a[ta[0] : ta[1]], b[tb[0] : tb[1]]
     if (not va and not vb) or b"\x1e" in sa + sb or max(len(va), len(vb)) > 64:

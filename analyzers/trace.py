@@ -141,6 +141,9 @@ class Trace:
     records' ``template_clock``)."""
     misses: MissTotals = field(default_factory=MissTotals)
     """The records' miss attribution, added up (``analyzers.misses``)."""
+    learned_spans: dict[str, int] = field(default_factory=dict)
+    """Requests per learned volatile-span pattern id whose value the proxy relocated (from the
+    records' ``canonical_learned_spans``)."""
 
     def sort(self) -> None:
         """Put requests in timestamp order (stable: file order breaks ties)."""

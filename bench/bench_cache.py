@@ -29,7 +29,7 @@ named for the breakers and the reasons for routing.
 Run: ``python bench/bench_cache.py [--quick] [--workloads a,b] [--slots 2] [--out DIR]``
 (``--slots 0``: llama-server's own slot setup, no ``-np``; ``--server-args "..."``: more
 llama-server flags, for both runs, which the proxy is told of where it models them;
-``--canonical dry-run``: the canonicalizer only watches, and forwards the original requests;
+``--canonical-mode dry-run``: the canonicalizer only watches, and forwards the original requests;
 ``--replicas 2 --policy round-robin``: the proxied run spreads over that many llama-servers,
 each as large as the direct run's one; ``--proxied-only``: no direct run).
 Writes ``cache.json`` in ``--out`` (default ``bench/results``). Ten to twenty minutes on 2 cores.
@@ -365,7 +365,8 @@ def run(
     note_placement: str | None = None,
     server_args: Sequence[str] = (),
     report_name: str = "cache",
-    canonical: str = "on",
+    canonical: str | None = None,
+    canonical_mode: str = "on",
     replicas: int = 1,
     policy: str | None = None,
     proxied_only: bool = False,
@@ -382,7 +383,7 @@ def run(
             + (f", {' '.join(server_args)}" if server_args else "")
         ),
         "slo": {"ttft_ms": SLO.ttft_ms, "tpot_ms": SLO.tpot_ms},
-        "canonical": canonical,
+        "canonical_mode": canonical_mode,
         "replicas": replicas,
         "policy": policy,
         "scale": vars_of(scale),
@@ -390,15 +391,21 @@ def run(
     }
     with tempfile.TemporaryDirectory(prefix="pg-cache-") as tmp:
         proxy_args: list[str] = proxy_args_for(server_args)
-        if canonical == "dry-run":
+        if canonical_mode == "dry-run":
             proxy_args.append("--canonical-dry-run")
         if policy is not None:
             proxy_args += ["--policy", policy]
-        if note_placement is not None:
+        if note_placement is not None or canonical is not None:
             config = Path(tmp) / "prefixgate.toml"
-            config.write_text(f'[canonical]\nnote_placement = "{note_placement}"\n')
+            table = "[canonical]\n"
+            if note_placement is not None:
+                table += f'note_placement = "{note_placement}"\n'
+                report["note_placement"] = note_placement
+            if canonical is not None:  # e.g. "rules.volatile_learned.min_values = 2"
+                table += canonical.replace(";", "\n") + "\n"
+                report["canonical"] = canonical
+            config.write_text(table)
             proxy_args += ["--config", str(config)]
-            report["note_placement"] = note_placement
         for name in names:
             print(f"== {name}", flush=True)
             t0 = time.monotonic()
@@ -516,6 +523,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--canonical",
+        help="more [canonical] TOML lines for the proxied runs, ';'-separated "
+        "(e.g. 'rules.volatile_learned.min_values = 2')",
+    )
+    parser.add_argument(
+        "--canonical-mode",
         choices=("on", "dry-run"),
         default="on",
         help="the proxied runs' canonicalizer: on (its defaults) or dry-run (watches only)",
@@ -542,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         shlex.split(args.server_args),
         args.name,
         args.canonical,
+        args.canonical_mode,
         args.replicas,
         args.policy,
         args.proxied_only,

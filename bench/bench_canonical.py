@@ -9,14 +9,18 @@ schemas; a conversation with tool calls, repeated to reach the size), built by
   on every request (every volatile rule fires, tools are re-sorted every time);
 - ``shuffled``: the worst case: on every request the tool order, every object's key order and
   the tool-call arguments' serialization are shuffled too;
-- ``canonical``: the input is already canonical (the output fed back): the cost of checking.
+- ``canonical``: the input is already canonical (the output fed back): the cost of checking;
+- ``learned_span``: ``steady`` with a build id no detector knows (``Build: 7f3a-19``) on the
+  system prompt's first line, fresh on every request: the warm-up requests teach it
+  (``volatile_learned``), then it is relocated like a detected value.
 
 Each scenario runs twice, side by side: ``fixed`` (every part rewritten to its normal form, a
 canonicalizer without a form memory) and ``learned`` (the proxy's default: each part rewritten
 only to the form first seen for it; the memory warmed by the first requests, as in a running
 proxy).
 
-Prints the median and p90 microseconds per ``apply`` (the request path); the cost of then
+Prints the median and p90 microseconds per ``apply`` (the request path, learning included);
+the cost of then
 measuring ``stable_bytes_gained`` (done when the record is written, after the response), alone
 and reusing the fingerprint's layout of the forwarded prompt; and, for scale, parsing the body
 with orjson and rendering it for the fingerprint.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import random
 import statistics
 import sys
 import time
@@ -65,6 +70,13 @@ def bodies(size: int, scenario: str, count: int) -> list[dict[str, Any]]:
     return out
 
 
+def with_build(body: dict[str, Any], build: str) -> dict[str, Any]:
+    """``body`` with ``Build: <build>`` first in its system prompt."""
+    messages = list(body["messages"])
+    messages[0] = {**messages[0], "content": f"Build: {build}\n" + messages[0]["content"]}
+    return {**body, "messages": messages}
+
+
 def timed(fn: Callable[[Any], object], items: Sequence[Any]) -> list[float]:
     """Microseconds per call of ``fn`` over ``items``."""
     out = []
@@ -87,7 +99,12 @@ def measure(size: int, scenario: str, repeat: int, forms: str) -> list[str]:
     items = bodies(size, "shuffled" if scenario == "shuffled" else "steady", repeat)
     if scenario == "canonical":
         items = [canonicalizer.apply(CHAT, b).body for b in items]
-    for body in items[:20]:  # warm the caches as a running proxy has them
+    if scenario == "learned_span":
+        rng = random.Random(7)
+        items = [
+            with_build(b, f"{rng.getrandbits(16):04x}-{rng.randrange(100):02d}") for b in items
+        ]
+    for body in items[:20]:  # warm the caches (and learn) as a running proxy has them
         canonicalizer.apply(CHAT, body)
     # The bench holds hundreds of parsed requests at once, which a proxy does not: keep the
     # garbage collector from scanning them again and again while it measures.
@@ -139,7 +156,7 @@ def main() -> None:
     ):
         table.add_column(column, justify="right")
     for size in SIZES:
-        for scenario in ("steady", "shuffled", "canonical"):
+        for scenario in ("steady", "shuffled", "canonical", "learned_span"):
             for forms in ("fixed", "learned"):
                 table.add_row(*measure(size, scenario, args.repeat, forms))
     Console(width=140).print(table)

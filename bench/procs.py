@@ -149,6 +149,8 @@ class Proc:
     url: str
     log_path: Path
     extra_files: dict[str, Path] = field(default_factory=dict)
+    admin_url: str = ""
+    """prefixgate: its admin listener (``/stats``, ``/metrics``)."""
     _pids: list[int] = field(default_factory=list)
 
     def pids(self, refresh: bool = False) -> list[int]:
@@ -470,6 +472,7 @@ def start_prefixgate(
     ready = f"http://127.0.0.1:{admin_port}/readyz"  # the admin listener
     proc = _spawn(name, args, workdir=workdir, ready_url=ready, url=url, timeout_s=60)
     proc.extra_files["records"] = records
+    proc.admin_url = f"http://127.0.0.1:{admin_port}"
     return proc
 
 

@@ -78,6 +78,8 @@ class Scale:
     fleet_system_words: int = 400
     chat_turns: int = 6
     chat_system_words: int = 500
+    learned_turns: int = 8
+    learned_conversations: int = 3
 
 
 QUICK = Scale(
@@ -97,6 +99,8 @@ QUICK = Scale(
     fleet_system_words=60,
     chat_turns=3,
     chat_system_words=60,
+    learned_turns=4,
+    learned_conversations=2,
 )
 
 
@@ -225,17 +229,26 @@ async def agent_loop(send: Send, scale: Scale) -> None:
         await send(body)
 
 
-CHAT_VOLATILE = ("plain", "clock_id", "epoch")
+CHAT_VOLATILE = ("plain", "clock_id", "epoch", "learned")
 
 
-def chat_loop_bodies(scale: Scale, volatile: str = "clock_id") -> list[dict[str, Any]]:
-    """A chat loop's requests: one conversation of ``scale.chat_turns`` turns under a system
-    prompt of ``scale.chat_system_words`` words, the assistant's replies scripted (so the
-    bodies do not depend on the answers).
+def chat_loop_bodies(
+    scale: Scale,
+    volatile: str = "clock_id",
+    *,
+    turns: int | None = None,
+    conversations: int = 1,
+) -> list[dict[str, Any]]:
+    """A chat loop's requests: ``conversations`` conversations of one application, one after
+    the other, each of ``turns`` (default ``scale.chat_turns``) turns under a system prompt of
+    ``scale.chat_system_words`` words, the assistant's replies scripted (so the bodies do not
+    depend on the answers).
 
     ``volatile``: what the system prompt starts with: ``clock_id`` a ``date(1)``-style clock
     and a fresh 32-hex reference on every request, ``epoch`` a clock in epoch seconds
-    (``Clock: 1764542467``), ``plain`` nothing (the workload's ceiling).
+    (``Clock: 1764542467``), ``learned`` two values of formats no detector knows, fresh on
+    every request (``Build: 7f3a-19`` and ``Ticket: #4812``), ``plain`` nothing (the
+    workload's ceiling).
     """
     if volatile not in CHAT_VOLATILE:
         raise ValueError(f"volatile must be one of {CHAT_VOLATILE}")
@@ -245,21 +258,27 @@ def chat_loop_bodies(scale: Scale, volatile: str = "clock_id") -> list[dict[str,
     )
     clock = datetime(2026, 12, 1, 22, 41, 7, tzinfo=UTC)
     refs = random.Random(12)
-    history: list[dict[str, Any]] = []
     bodies = []
-    for turn in range(scale.chat_turns):
-        now = clock + timedelta(seconds=41 * turn + 3)
-        if volatile == "clock_id":
-            header = f"Now: {now.strftime('%a %b %d %H:%M:%S UTC %Y')}\n"
-            header += f"Reference: {refs.getrandbits(128):032x}\n"
-        elif volatile == "epoch":
-            header = f"Clock: {int(now.timestamp())}\n"
-        else:
-            header = ""
-        history.append({"role": "user", "content": prose(rng, 16).rstrip(".") + "?"})
-        messages = [{"role": "system", "content": header + instructions}, *history]
-        bodies.append(chat(messages, scale.max_tokens))
-        history.append({"role": "assistant", "content": prose(rng, 30)})
+    count = 0
+    for _ in range(conversations):
+        history: list[dict[str, Any]] = []
+        for turn in range(scale.chat_turns if turns is None else turns):
+            now = clock + timedelta(seconds=41 * turn + 3)
+            if volatile == "clock_id":
+                header = f"Now: {now.strftime('%a %b %d %H:%M:%S UTC %Y')}\n"
+                header += f"Reference: {refs.getrandbits(128):032x}\n"
+            elif volatile == "epoch":
+                header = f"Clock: {int(now.timestamp())}\n"
+            elif volatile == "learned":
+                header = f"Build: {refs.getrandbits(16):04x}-{refs.randrange(100):02d}\n"
+                header += f"Ticket: #{4812 + 7 * count}\n"
+            else:
+                header = ""
+            count += 1
+            history.append({"role": "user", "content": prose(rng, 16).rstrip(".") + "?"})
+            messages = [{"role": "system", "content": header + instructions}, *history]
+            bodies.append(chat(messages, scale.max_tokens))
+            history.append({"role": "assistant", "content": prose(rng, 30)})
     return bodies
 
 
@@ -271,6 +290,27 @@ def chat_loop(volatile: str) -> Workload:
             await send(body)
 
     run.__name__ = f"chat_{volatile}"
+    return run
+
+
+def learned_bodies(scale: Scale, volatile: str, *, apps: bool) -> list[dict[str, Any]]:
+    """``chat_learned``: one chat loop of ``scale.learned_turns`` turns whose system prompt
+    carries two values no detector knows; ``chat_learned_apps``: ``scale.learned_conversations``
+    conversations of ``scale.chat_turns`` turns of that application, one after the other (the
+    proxy learns the template once, in the first conversation)."""
+    if apps:
+        return chat_loop_bodies(scale, volatile, conversations=scale.learned_conversations)
+    return chat_loop_bodies(scale, volatile, turns=scale.learned_turns)
+
+
+def learned_loop(apps: bool) -> Workload:
+    """A driver sending ``learned_bodies`` one after another."""
+
+    async def run(send: Send, scale: Scale) -> None:
+        for body in learned_bodies(scale, "learned", apps=apps):
+            await send(body)
+
+    run.__name__ = "chat_learned_apps" if apps else "chat_learned"
     return run
 
 
@@ -439,6 +479,8 @@ WORKLOADS: dict[str, Workload] = {
     "fleet_clock": fleet_workload("clock"),
     "chat_clock_id": chat_loop("clock_id"),
     "chat_epoch": chat_loop("epoch"),
+    "chat_learned": learned_loop(apps=False),
+    "chat_learned_apps": learned_loop(apps=True),
 }
 
 # The requests of each workload's ceiling (the same conversations with nothing volatile), for
@@ -450,4 +492,6 @@ CEILINGS: dict[str, Callable[[Scale], list[dict[str, Any]]]] = {
     "fleet_clock": lambda scale: fleet_bodies(scale, "plain"),
     "chat_clock_id": lambda scale: chat_loop_bodies(scale, "plain"),
     "chat_epoch": lambda scale: chat_loop_bodies(scale, "plain"),
+    "chat_learned": lambda scale: learned_bodies(scale, "plain", apps=False),
+    "chat_learned_apps": lambda scale: learned_bodies(scale, "plain", apps=True),
 }

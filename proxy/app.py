@@ -31,6 +31,7 @@ from proxy.config import ConfigError, Settings
 from proxy.errors import ProxyError, error_response
 from proxy.exchange import Exchange, learn
 from proxy.fleet import Fleet
+from proxy.lift import LiftLedger
 from proxy.log import get_logger
 from proxy.prefixes import PrefixTracker
 from proxy.records import RecordBuilder, RecordWriter, monotonic
@@ -131,6 +132,10 @@ def build_app(
     )
     # What the proxy learns from a finished request, with the stages it was built from.
     record_writer.add_learner(lambda record, ex: learn(app[STATE], record, ex))
+    ledger: LiftLedger | None = None
+    if settings.control.enabled:
+        ledger = lift = LiftLedger(share=settings.control.share)
+        record_writer.add_learner(lambda record, ex: lift.observe(record, ex.control_key))
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         session = upstream_session(limit=0, keepalive_timeout=30.0)
@@ -171,16 +176,20 @@ def build_app(
                     dry_run=canonicalizer.config.enabled and canonicalizer.config.dry_run,
                     healthy=fleet.is_healthy,
                 ),
+                ledger=ledger,
+                tracer=tracer,
             )
             app[STATE] = state
             if canonicalizer.forms is not None:  # learned forms are shared through the store
                 canonicalizer.forms.bind(store)
+            if canonicalizer.spans is not None:  # so are learned volatile spans
+                canonicalizer.spans.bind(store)
             try:
                 # Off every request's deadline: the first prefixes learned are not lost to a
                 # cold connection (bounded; a Redis that is down only leaves the store degraded).
                 await store.warm()
                 if tracer is not None:
-                    record_writer.add_sink(tracer.observe)
+                    record_writer.add_learner(tracer.observe)
                 await fleet.start(session)
                 state.scheduler.start(
                     session, fleet.replicas, backend_api_key=settings.backend_api_key
@@ -197,6 +206,8 @@ def build_app(
                 await record_writer.drain()
                 if canonicalizer.forms is not None:
                     await canonicalizer.forms.drain()
+                if canonicalizer.spans is not None:
+                    await canonicalizer.spans.drain()
                 if tracer is not None:  # flushes what is queued; blocking, so in a thread
                     await asyncio.to_thread(tracer.shutdown)
         finally:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.backends import DIALECT_NAMES
+from proxy.control import ControlGroup
 from proxy.fingerprint import DEFAULT_BLOCK_BYTES
 from proxy.hosted import HostedFields
 from proxy.log import LOG_LEVELS
@@ -316,6 +317,8 @@ class Settings:
     )
     canonical: Mapping[str, Any] = field(default_factory=dict)
     """The ``[canonical]`` table of the TOML file (``proxy.canonical.config_from_mapping``)."""
+    control: ControlGroup = group(ControlGroup, prefix="control_", label="control group")
+    """The share of conversations left alone to measure the gain (``proxy.control``)."""
     admin_token: str | None = option(
         None, "bearer token required on the admin listener's /stats, /dashboard and /metrics"
     )

@@ -10,6 +10,7 @@ and the statistics), which reads the stage results the record was built from.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from proxy.redact import Redactor
     from proxy.scheduling import Ticket
     from proxy.state import ProxyState
+    from proxy.tracing import TraceContext
 
 
 @dataclass(slots=True)
@@ -77,8 +79,14 @@ class Exchange:
     upstream_body: bytes = b""
     on_first_token: Callable[[Mapping[str, Any]], None] | None = None
     """Told once, with the event (or whole answer) that carried the backend's first token."""
+    forwarded: asyncio.Event | None = None
+    """Set when the request is handed to the backend (work that can wait for it waits)."""
     response_headers: dict[str, str] = field(default_factory=dict)
     """The proxy's own headers on the client's response (set before it starts)."""
+    trace: TraceContext | None = None
+    """The request's place in a trace (only with tracing on: ``proxy.tracing``)."""
+    upstream_headers: dict[str, str] | None = None
+    """Headers the proxy sets on the upstream request (``traceparent`` when tracing is on)."""
     send_timeout_s: float | None = None
     """Longest a client may leave a write unaccepted before it is cut off (None: forever)."""
     # The stages' results (None until the stage ran):
@@ -96,6 +104,10 @@ class Exchange:
     outgoing: Outgoing | None = None
     ticket: Ticket | None = None
     """The scheduler's ticket of the latest attempt (set before the scheduler may wait)."""
+    control: bool | None = None
+    """In the control group (``proxy.control``); None: no control group is configured."""
+    control_key: int | None = None
+    """The conversation key the group was chosen by (``proxy.control.conversation_key``)."""
 
 
 def build_record(
@@ -129,10 +141,12 @@ def build_record(
         record.canonical_dry_run_rules = list(canonical.dry_run_fired) or None
         record.canonical_notes_restored = canonical.notes_restored or None
         record.canonical_note_values_omitted = canonical.note_values_omitted or None
+        record.canonical_learned_spans = list(canonical.learned_spans) or None
         record.canonical_stable_bytes = canonical.stable_bytes_gained or None
     if ex.affinity is not None:
         record.affinity_key = ex.affinity.hashed
         record.affinity_source = ex.affinity.source
+    record.control_group = ex.control
     if ex.outgoing is not None and ex.outgoing.stripped:
         record.hosted_fields_stripped = list(ex.outgoing.stripped)
     if target is not None:

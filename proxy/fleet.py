@@ -54,7 +54,7 @@ from proxy.backends import (
 from proxy.config import BackendSpec, HealthChecks, Settings
 from proxy.log import get_logger
 from proxy.prefixes import PrefixView
-from proxy.routing import Candidate, Decision, Router, RoutingConfig
+from proxy.routing import ROUND_ROBIN, Candidate, Decision, Router, RoutingConfig
 
 log = get_logger()
 
@@ -133,6 +133,8 @@ class Fleet:
                 r.dialect = dialect_named(self._forced)
         self._by_url = {r.url: r for r in self.replicas}
         self.router = Router(routing)
+        # The control group's balancer: what a plain load balancer does, nothing of the index.
+        self.plain_router = Router(RoutingConfig(policy=ROUND_ROBIN))
         self.health = health or HealthChecks()
         self._headers = {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
         self._session: aiohttp.ClientSession | None = None
@@ -345,6 +347,17 @@ class Fleet:
         """The replica for a request (``view``: what the index said about it; None for none)."""
         candidates = [self.candidate(r, view) for r in self.replicas]
         return self._choose(candidates, view)
+
+    def route_plain(self, *, tried: Collection[str] = ()) -> Decision | None:
+        """The replica a plain balancer would choose (round-robin over the healthy replicas
+        not in ``tried``), for a request of the control group; None when ``tried`` leaves none.
+        """
+        candidates = [self.candidate(r, None) for r in self.replicas if r.url not in tried]
+        if tried:
+            candidates = [c for c in candidates if c.healthy]
+        if not candidates:
+            return None
+        return self.plain_router.choose(candidates, key=0, shared_blocks=0)
 
     def has_alternative(self, replica: Replica) -> bool:
         """Whether a healthy replica other than ``replica`` exists (a retry could go there)."""

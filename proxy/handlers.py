@@ -10,19 +10,25 @@ once to another healthy replica. Whatever happens, one ``RequestRecord`` is buil
 exchange when it ends (with the replica, ``route_reason`` and ``retried_from``), and the
 record writer's learner (``proxy.exchange.learn``) updates the scheduler, the index and the
 statistics from it.
+
+A request of the control group (``proxy.control``, with ``--control-share``) skips the
+canonicalizer, is routed round-robin (``Fleet.route_plain``) and left to the server's own slot
+choice; it is looked up, claimed, recorded and learned from like any other.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from proxy.backends import CHAT, COMPLETIONS, MESSAGES, NATIVE_COMPLETION, RESPONSES
+from proxy.canonical import CanonicalResult
+from proxy.control import conversation_key
 from proxy.errors import (
     BackendBadAnswer,
     BackendUnavailable,
@@ -84,7 +90,9 @@ def added_fields(raw: bytes, original: dict[str, Any], body: dict[str, Any]) -> 
         for key, value in body.items()
         if key not in original
     )
-    return end[:-1] + b"," + extra + b"}" if extra else raw
+    if not extra:
+        return raw
+    return b"".join((memoryview(end)[:-1], b",", extra, b"}"))  # one copy of a large body
 
 
 def _target(state: ProxyState, view: PrefixView, decision: Decision) -> Target:
@@ -105,6 +113,9 @@ async def inference(request: web.Request) -> web.StreamResponse:
     ex = Exchange(request_id=request[REQUEST_ID], route=route, upstream_path=request.path, obs=obs)
     ex.send_timeout_s = state.settings.timeouts.client
     ex.tenant = tenant = request.get(TENANT)
+    if state.tracer is not None:
+        ex.trace = state.tracer.begin(request.headers)
+        ex.upstream_headers = ex.trace.upstream_headers
     namespace = tenant or DEFAULT_NAMESPACE
     try:
         raw = await read_body(
@@ -115,9 +126,19 @@ async def inference(request: web.Request) -> web.StreamResponse:
         validate_inference(route, body)
         ex.stream = body.get("stream") is True
         ex.model = body["model"] if isinstance(body.get("model"), str) else None
-        ex.canonical = canonical = await state.canonicalizer.canonicalize(
-            route, body, namespace=namespace
-        )
+        # The client's conversation key chooses the replica and nothing else (not the salt).
+        ex.affinity = state.settings.hosted.affinity_key(body, request.headers, tenant)
+        control = state.settings.control
+        if control.enabled:
+            ex.control_key = conversation_key(route, body, ex.affinity, tenant)
+            ex.control = control.is_control(ex.control_key)
+        if ex.control:  # forwarded as the client sent it
+            ex.canonical = canonical = CanonicalResult(body)
+        else:
+            ex.canonical = canonical = await state.canonicalizer.canonicalize(
+                route, body, namespace=namespace
+            )
+        obs.t_canonical = monotonic()
         changed = canonical.body is not body
         ex.body = body = canonical.body
         if canonical.fired:
@@ -126,12 +147,14 @@ async def inference(request: web.Request) -> web.StreamResponse:
         view = await state.tracker.lookup(
             route, body, replicas, namespace=namespace, salt=tenant or ""
         )
-        # The client's conversation key chooses the replica and nothing else (not the salt).
-        ex.affinity = state.settings.hosted.affinity_key(body, request.headers, tenant)
+        obs.t_lookup = monotonic()
         if ex.affinity is not None:
             view = dataclasses.replace(view, affinity_key=ex.affinity.value)
         ex.view = view
-        ex.target = target = _target(state, view, state.fleet.route(view))
+        decision = state.fleet.route_plain() if ex.control else state.fleet.route(view)
+        assert decision is not None  # with nothing tried, some replica is always chosen
+        ex.target = target = _target(state, view, decision)
+        obs.t_routed = monotonic()
         if ex.model is None and target.replica.info is not None:
             ex.model = target.replica.info.model
         ex.outgoing = out = Outgoing(
@@ -198,11 +221,14 @@ async def _attempt(
     replica.in_flight += 1
     # One background task, the count first: a task's first step runs before any task spawned
     # after it, so the store applies this +1 before the -1 of the ``finally`` below, however
-    # fast that comes (behind the claim's two round trips, it could come after it).
+    # fast that comes (behind the claim's two round trips, it could come after it). This
+    # proxy sees the claim at once (``PrefixTracker.claim``); its write to the store, a walk
+    # over every block, waits until the request is on its way to the backend.
+    ex.forwarded = forwarded = asyncio.Event()
     state.writer.spawn(
         _in_order(
             state.tracker.in_flight(view, replica.url, +1),
-            state.tracker.claim(view, replica.url, capacity, out.model),
+            _after(forwarded, state.tracker.claim(view, replica.url, capacity, out.model)),
         )
     )
     ex.ticket = ticket = Ticket()  # held before the scheduler may wait (see ``learn``)
@@ -219,8 +245,15 @@ async def _attempt(
         # route on which the server ignores a slot id is not placed (the server chooses).
         placed = view if ex.dialect.carries_slot(ex.route) else None
         await state.scheduler.admit(
-            ticket, replica, placed, body, model=out.model, stream=ex.stream
+            ticket,
+            replica,
+            placed,
+            body,
+            model=out.model,
+            stream=ex.stream,
+            plain=ex.control is True,
         )
+        ex.obs.t_admitted = monotonic()
         admitted = True
         ex.on_first_token = ticket.first_token
         edited = edited or ticket.body_changed
@@ -238,10 +271,25 @@ async def _attempt(
             retry=retry,
         )
     finally:
+        forwarded.set()  # not forwarded after all: the claim is written now
         if admitted:
             ticket.end(ok=200 <= ex.status < 400 and ex.error is None, usage=ex.obs)
         replica.in_flight -= 1
         state.writer.spawn(state.tracker.in_flight(view, replica.url, -1))
+
+
+async def _after(event: asyncio.Event, work: Awaitable[None]) -> None:
+    """``work`` once ``event`` is set and the request's own writes had their turn: the body
+    is written by a task the client library starts right after the event (tasks run in
+    order), so one more turn of the loop lets it go first."""
+    try:
+        await event.wait()
+        await asyncio.sleep(0)
+    except BaseException:
+        if isinstance(work, Coroutine):
+            work.close()  # cancelled first (shutting down): never started
+        raise
+    await work
 
 
 async def _in_order(first: Awaitable[None], then: Awaitable[None]) -> None:
@@ -270,7 +318,10 @@ async def _retry(
     state.tracker.unclaim(view, first.url)
     if failed.connection_failed:
         state.fleet.report_failure(first, failed.reason)
-    decision = state.fleet.reroute(view, tried={first.url})
+    if ex.control:
+        decision = state.fleet.route_plain(tried={first.url})
+    else:
+        decision = state.fleet.reroute(view, tried={first.url})
     if decision is None:
         if failed.answer is not None:
             return await send_answer(request, ex, failed.answer)

@@ -182,6 +182,13 @@ class RequestRecord:
         default=None,
         metadata=when_set("Volatile values left out of the note (unchanged since it was written)."),
     )
+    canonical_learned_spans: list[str] | None = field(
+        default=None,
+        metadata=when_set(
+            "Ids of the learned volatile-span patterns whose values were relocated (or, with "
+            "volatile_learned in dry-run, would have been); see /stats canonical.learned_spans."
+        ),
+    )
     canonical_stable_bytes: dict[str, int] | None = field(
         default=None,
         metadata=when_set(
@@ -198,6 +205,13 @@ class RequestRecord:
         default=None,
         metadata=when_set(
             "Where the conversation key came from: ``prompt_cache_key`` or a header's name."
+        ),
+    )
+    control_group: bool | None = field(
+        default=None,
+        metadata=when_set(
+            "With a control group configured (--control-share): true when the request's "
+            "conversation is in it (forwarded as the client sent it, routed plainly), else false."
         ),
     )
     hosted_fields_stripped: list[str] | None = field(
@@ -385,7 +399,17 @@ class Observation:
 
     t_start: float
     t_body_read: float | None = None
+    t_canonical: float | None = None
+    """Canonicalized (or, in the control group, left as it was)."""
+    t_lookup: float | None = None
+    """Fingerprinted and looked up in the prefix index."""
+    t_routed: float | None = None
+    """The replica chosen."""
+    t_admitted: float | None = None
+    """Past the scheduler (placed on a slot, or released from a hold)."""
     t_forward: float | None = None
+    t_headers: float | None = None
+    """The backend's status line and headers arrived."""
     t_first_token: float | None = None
     t_first_visible: float | None = None
     t_last_token: float | None = None

@@ -110,11 +110,17 @@ async def open_upstream(
     request_id: str,
     timeouts: Timeouts,
     backend_api_key: str | None,
+    extra_headers: Mapping[str, str] | None = None,
 ) -> aiohttp.ClientResponse:
-    """Send the request upstream and wait for the status line, translating failures."""
+    """Send the request upstream and wait for the status line, translating failures.
+
+    ``extra_headers`` replace the client's of the same names (the trace context).
+    """
     headers = upstream_request_headers(
         request.headers, request_id=request_id, backend_api_key=backend_api_key
     )
+    if extra_headers:
+        headers.update(extra_headers)
     query = request.rel_url.raw_query_string
     if query:  # as the client encoded it: decoding would turn %26 into a separator upstream
         url = f"{url}?{query}"
@@ -164,6 +170,8 @@ async def relay_inference(
     With ``retry``, a failure before anything reached the client raises ``NotStarted``.
     """
     ex.obs.t_forward = monotonic()
+    if ex.forwarded is not None:
+        ex.forwarded.set()
     try:
         upstream = await open_upstream(
             session,
@@ -173,11 +181,13 @@ async def relay_inference(
             request_id=ex.request_id,
             timeouts=timeouts,
             backend_api_key=backend_api_key,
+            extra_headers=ex.upstream_headers,
         )
     except (BackendUnavailable, BackendConnectTimeout) as exc:
         if retry:
             raise NotStarted(exc.message, failure=exc) from exc
         raise
+    ex.obs.t_headers = monotonic()
     async with upstream:
         ex.status = upstream.status
         if ex.stream and upstream.status == 200 and is_event_stream(upstream.content_type):

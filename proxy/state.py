@@ -12,11 +12,13 @@ from proxy.canonical import Canonicalizer
 from proxy.config import Settings
 from proxy.exchange import Exchange
 from proxy.fleet import Fleet
+from proxy.lift import LiftLedger
 from proxy.prefixes import PrefixTracker
 from proxy.records import RecordBuilder, RecordWriter
 from proxy.redact import Redactor
 from proxy.scheduling import Scheduler
 from proxy.store import PrefixStore
+from proxy.tracing import RecordTracer
 
 
 @dataclass(slots=True)
@@ -35,6 +37,10 @@ class ProxyState:
     scheduler: Scheduler
     misses: MissAttributor
     """Attributes every request's uncached prompt tokens to causes (``proxy.attribution``)."""
+    ledger: LiftLedger | None = None
+    """The control group's per-conversation tallies (only with ``--control-share``)."""
+    tracer: RecordTracer | None = None
+    """Traces over OTLP (only when the environment configures an endpoint)."""
 
 
 STATE = web.AppKey("prefixgate_state", ProxyState)

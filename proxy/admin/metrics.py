@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from proxy.control import CONTROL, TREATED
 from proxy.records import RequestRecord
 from proxy.state import ProxyState
 from proxy.store.stats import UNKNOWN
@@ -240,6 +241,37 @@ class ProxyMetrics:
             TOKEN_BUCKETS,
             labels=("token_type", "model"),
         )
+        # The control group (--control-share): the same figures per group, treated or control.
+        group = ("group",)
+        self.group_requests = counter(
+            "prefixgate_control_group_requests",
+            "requests by group (treated, control) when a control group is configured",
+            group,
+        )
+        self.group_prompt_tokens = counter(
+            "prefixgate_control_group_prompt_tokens",
+            "prompt tokens by group, of requests whose backend reported cached tokens",
+            group,
+        )
+        self.group_cached_tokens = counter(
+            "prefixgate_control_group_cached_tokens",
+            "backend-reported cached prompt tokens by group",
+            group,
+        )
+        self.group_slo_met = counter(
+            "prefixgate_control_group_slo_met", "requests that met the SLO, by group", group
+        )
+        self.group_slo_evaluated = counter(
+            "prefixgate_control_group_slo_evaluated",
+            "requests judged against the SLO, by group",
+            group,
+        )
+        self.group_ttft = histogram(
+            "prefixgate_control_group_time_to_first_token_seconds",
+            "time to first token by group",
+            TTFT_BUCKETS_S,
+            labels=group,
+        )
         reg.register(_LiveCollector(state))
 
     def _child(self, metric: Any, *labels: str) -> Any:
@@ -291,6 +323,22 @@ class ProxyMetrics:
             self.route_decision(record.backend, record.route_reason)
         self._observe_schedule(record)
         self._observe_latencies(record, mb)
+        if record.control_group is not None:
+            self._observe_group(record, CONTROL if record.control_group else TREATED)
+
+    def _observe_group(self, record: RequestRecord, group: str) -> None:
+        self._child(self.group_requests, group).inc()
+        prompt, cached = record.prompt_tokens, record.cached_tokens
+        if prompt is not None and prompt > 0 and cached is not None and cached >= 0:
+            self._child(self.group_prompt_tokens, group).inc(prompt)
+            self._child(self.group_cached_tokens, group).inc(min(cached, prompt))
+        if record.slo_met is not None:
+            self._child(self.group_slo_evaluated, group).inc()
+            if record.slo_met:
+                self._child(self.group_slo_met, group).inc()
+        ttft = _positive(record.ttft_ms)
+        if ttft is not None:
+            self._child(self.group_ttft, group).observe(ttft / 1000.0)
 
     def _observe_misses(self, record: RequestRecord, mb: tuple[str, str]) -> None:
         if record.miss_new_tokens is None:

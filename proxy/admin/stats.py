@@ -2,10 +2,12 @@
 
 Everything comes from the store (``query_stats`` for the window's buckets, ``top_prefixes`` for the
 application-prefix ranking), so every proxy replica sharing one Redis serves the same numbers; only
-``backends`` (this process's view of its replicas) and ``generated_at`` are local. The document is
-``StatsWindow.to_json()`` (totals, the chart series, the breakdowns) plus what a reader needs
-beside it: the window's name, goodput against the configured SLO, savings in the units people
-reason in, the top prefixes and the store's state. Its JSON Schema is
+``backends`` (this process's view of its replicas), ``control_group`` (this process's comparison
+of the control group with the rest, ``proxy.lift``), ``canonical`` (the learned volatile spans,
+shared through the store, with this process's hit counts) and ``generated_at`` are local. The
+document is ``StatsWindow.to_json()`` (totals, the chart series, the breakdowns) plus what a
+reader needs beside it: the window's name, goodput against the configured SLO, savings in the
+units people reason in, the top prefixes and the store's state. Its JSON Schema is
 ``docs/schemas/stats-v1.schema.json``: a key added changes that file too, a key removed,
 renamed or retyped also changes the version in ``SCHEMA``.
 
@@ -137,6 +139,13 @@ def _replica_view(replica: Replica) -> dict[str, Any]:
     }
 
 
+def canonical_view(state: ProxyState, namespace: str) -> dict[str, Any]:
+    """This process's learned volatile spans of ``namespace``: shared through the store, but
+    the hit counts are this process's."""
+    spans = state.canonicalizer.spans
+    return {"learned_spans": spans.stats(namespace) if spans is not None else []}
+
+
 async def build_stats(state: ProxyState, query: StatsQuery, *, now: float) -> dict[str, Any]:
     """The ``/stats`` document for ``query`` at ``now`` (epoch seconds)."""
     since = now - query.seconds
@@ -166,10 +175,13 @@ async def build_stats(state: ProxyState, query: StatsQuery, *, now: float) -> di
         "savings": savings(window.total, priced=priced),
         "top_prefixes": [p.to_json() for p in prefixes],
         "backends": backends_view(state),
+        "canonical": canonical_view(state, query.tenant),
         "store": {
             "kind": "redis" if settings.redis_url else "embedded",
             "degraded": state.store.degraded,
         },
+        # This process's own, since it started (proxy.lift): not the window's, not the store's.
+        "control_group": state.ledger.summary() if state.ledger is not None else None,
     }
 
 

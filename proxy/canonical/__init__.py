@@ -13,6 +13,8 @@ means, so the backend's cache hits.
     volatile_uuids       UUIDs, likewise
     volatile_hex_ids     long hex ids, likewise
     custom_patterns      the user's own regexes, likewise
+    volatile_learned     values no detector knows, learned from traffic (proxy.canonical.spans,
+                         proxy.canonical.span_memory), likewise
 
 Public surface: ``Canonicalizer``, ``CanonicalResult``, ``CanonicalConfig``, ``RuleConfig``,
 ``CustomPattern``, ``config_from_mapping``, ``RULE_NAMES``, ``Change``, ``Skip``.

@@ -28,6 +28,11 @@ Built once at start-up from the TOML file's ``[canonical]`` table by ``config_fr
     [canonical.rules.volatile_hex_ids]
     min_length = 16
 
+    [canonical.rules.volatile_learned]   # values learned from traffic (proxy.canonical.spans)
+    min_requests = 3                     # requests of the template the pattern must match
+    min_values = 3                       # distinct values it must have seen there
+    max_patterns = 64                    # learned patterns kept per namespace
+
     [[canonical.patterns]]               # the custom_patterns rule
     name = "request_id"
     regex = 'request id: (\\S+)'         # a group named "value", else group 1, else the match
@@ -38,7 +43,9 @@ Defaults. Every rule is on. The detectors that would misfire on ordinary text ar
 are off: a bare ``HH:MM`` is as often a ratio, a score or a Bible verse as a clock time, and a
 bare ten-digit number is as often a phone number, an order number or a count as an epoch. Both
 stay on the safe side: a value the detector misses only costs cache hits, a value it wrongly
-moves costs the model a look-up in the note.
+moves costs the model a look-up in the note. ``volatile_learned`` wants three distinct values
+by default, not two: a prompt edited once (a version bumped, a word changed) has shown two
+values at one place without being a per-request value.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ VOLATILE_TIMESTAMPS = "volatile_timestamps"
 VOLATILE_UUIDS = "volatile_uuids"
 VOLATILE_HEX_IDS = "volatile_hex_ids"
 CUSTOM_PATTERNS = "custom_patterns"
+VOLATILE_LEARNED = "volatile_learned"
 
 RULE_NAMES: tuple[str, ...] = (
     STABLE_JSON,
@@ -65,6 +73,7 @@ RULE_NAMES: tuple[str, ...] = (
     VOLATILE_UUIDS,
     VOLATILE_HEX_IDS,
     CUSTOM_PATTERNS,
+    VOLATILE_LEARNED,
 )
 VOLATILE_RULES: tuple[str, ...] = RULE_NAMES[2:]
 
@@ -95,7 +104,14 @@ RULE_OPTIONS: Mapping[str, Mapping[str, Option]] = MappingProxyType(
         VOLATILE_UUIDS: MappingProxyType({}),
         VOLATILE_HEX_IDS: MappingProxyType({"min_length": 16}),
         CUSTOM_PATTERNS: MappingProxyType({}),
+        VOLATILE_LEARNED: MappingProxyType(
+            {"min_requests": 3, "min_values": 3, "max_patterns": 64}
+        ),
     }
+)
+# The smallest value of each integer option (8 unless named here).
+OPTION_MINIMUM: Mapping[str, int] = MappingProxyType(
+    {"min_requests": 2, "min_values": 2, "max_patterns": 1}
 )
 _LABEL = re.compile(r"[a-z][a-z0-9_]*\Z")
 
@@ -204,8 +220,9 @@ def _bool(where: str, value: Any) -> bool:
 def _option(where: str, default: Option, value: Any) -> Option:
     if isinstance(default, bool):
         return _bool(where, value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 8:
-        raise ConfigError(f"{where} must be an integer of at least 8, not {value!r}")
+    least = OPTION_MINIMUM.get(where.rsplit(".", 1)[-1], 8)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{where} must be an integer of at least {least}, not {value!r}")
     return value
 
 

@@ -5,8 +5,15 @@
 1. ``stable_json``, then ``whitespace``: each a pure function ``(kind, body, rule config) ->
    RuleOutcome`` that returns a rewritten body (copy-on-write) and what it changed;
 2. the volatile rules (``volatile_timestamps``, ``volatile_uuids``, ``volatile_hex_ids``,
-   ``custom_patterns``): each a set of detectors over the stable segments; their values go
-   through one relocation, so the model sees one note however many rules found something.
+   ``custom_patterns``, ``volatile_learned``): each a set of detectors over the stable segments;
+   their values go through one relocation, so the model sees one note however many rules found
+   something.
+
+Learned spans. ``volatile_learned``'s detector is the patterns learned for the namespace
+(``proxy.canonical.span_memory``). Each request's stable texts, with the values the detectors
+and the learned patterns found in them, are observed once (a text seen before costs a lookup;
+a changed one is compared with the place's recent texts), before relocating: a pattern the
+request completes applies to that very request.
 
 Learned forms. With a ``FormMemory`` (the proxy always has one) ``stable_json`` and
 ``whitespace`` rewrite a part only to the form first seen for it (``proxy.canonical.learned``):
@@ -53,12 +60,13 @@ from proxy.canonical.apis import stable_slots as api_stable_slots
 from proxy.canonical.config import (
     RULE_NAMES,
     STABLE_JSON,
+    VOLATILE_LEARNED,
     VOLATILE_RULES,
     WHITESPACE,
     CanonicalConfig,
     RuleConfig,
 )
-from proxy.canonical.detectors import build_detectors
+from proxy.canonical.detectors import Found, build_detectors
 from proxy.canonical.forms import FormMemory, FormView
 from proxy.canonical.gain import GainMeter
 from proxy.canonical.learned import PartLister, learned_rule, stable_json_parts, whitespace_parts
@@ -74,6 +82,8 @@ from proxy.canonical.relocation import (
     settle,
     stable_slots,
 )
+from proxy.canonical.slots import TextSlot
+from proxy.canonical.span_memory import SpanMemory
 from proxy.canonical.stable_json import stable_json
 from proxy.canonical.whitespace import whitespace
 from proxy.fingerprint import (
@@ -143,6 +153,8 @@ class CanonicalResult:
     would_forward: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     """In global dry-run, the body the rules would have forwarded (None when they would change
     nothing, or when not in global dry-run): what miss attribution measures breakers by."""
+    learned_spans: tuple[str, ...] = ()
+    """Ids of the learned span patterns whose values were relocated (or would be, dry-run)."""
 
     @property
     def stable_bytes_gained(self) -> dict[str, int]:
@@ -162,9 +174,22 @@ class CanonicalResult:
 class _Run:
     """The state of one ``apply`` call."""
 
-    __slots__ = ("body", "changes", "deferred", "dry", "fired", "meter", "notes", "skipped")
+    __slots__ = (
+        "body",
+        "changes",
+        "deferred",
+        "dry",
+        "fired",
+        "learned_ids",
+        "meter",
+        "notes",
+        "observe",
+        "skipped",
+    )
 
     def __init__(self, route: str, body: dict[str, Any]) -> None:
+        self.observe = True  # learn volatile spans from this pass (once per request)
+        self.learned_ids: list[str] = []
         self.notes: NoteContext | None = None
         self.deferred = False
         self.body = body
@@ -184,6 +209,7 @@ class Canonicalizer:
         *,
         forms: FormMemory | None = None,
         notes: NoteMemory | None = None,
+        spans: SpanMemory | None = None,
     ) -> None:
         self.config = config if config is not None else CanonicalConfig()
         self.forms = forms
@@ -194,6 +220,20 @@ class Canonicalizer:
         self.notes = (
             (notes or NoteMemory(ttl_s=self.config.note_memory_ttl_s))
             if self.config.note_memory
+            else None
+        )
+        learned = self.config.rule(VOLATILE_LEARNED)
+        # Learned volatile spans (``proxy.canonical.span_memory``): fed by ``learn``.
+        self.spans = (
+            (
+                spans
+                or SpanMemory(
+                    min_requests=learned.number("min_requests"),
+                    min_values=learned.number("min_values"),
+                    max_patterns=learned.number("max_patterns"),
+                )
+            )
+            if learned.enabled
             else None
         )
         self._detectors = build_detectors(self.config)
@@ -250,13 +290,16 @@ class Canonicalizer:
         turns this process does not hold, and forms of parts it has not seen, are looked up in
         the store (a bounded round trip each, only then), and the request is canonicalized
         again with them."""
+        spans = self.spans
+        if spans is not None and self.config.enabled and spans.needs_first_read(namespace):
+            await spans.refresh(namespace)  # once per namespace: what other proxies learned
         result = self._apply(route, body, namespace, True)
         if result.recall_notes and self.notes is not None:
             await self.notes.recall(namespace, result.recall_notes)
-            result = self._apply(route, body, namespace, False)
+            result = self._apply(route, body, namespace, False, observe=False)
         forms = self.forms
         if forms is not None and result.learned and await forms.settle(namespace, result.learned):
-            result = self._apply(route, body, namespace, False)
+            result = self._apply(route, body, namespace, False, observe=False)
         self._count(result)
         return result
 
@@ -269,13 +312,20 @@ class Canonicalizer:
             self._skipped[name] += 1
 
     def _apply(
-        self, route: str, body: dict[str, Any], namespace: str, defer_notes: bool
+        self,
+        route: str,
+        body: dict[str, Any],
+        namespace: str,
+        defer_notes: bool,
+        *,
+        observe: bool = True,
     ) -> CanonicalResult:
         config = self.config
         kind = request_kind(route)
         if not config.enabled or kind is None or type(body) is not dict:
             return CanonicalResult(body)
         run = _Run(route, body)
+        run.observe = observe
         if self.notes is not None and kind == "chat":
             run.notes = NoteContext(self.notes, namespace, defer_notes)
         api = kind in API_KINDS
@@ -286,11 +336,12 @@ class Canonicalizer:
                 if view is not None and name in LEARNED_PARTS:
                     rule_fn = self._learned(view, name, rule_fn, api)
                 self._rewrite(run, name, rule, rule_fn, kind)
-        if (kind == "chat" or api) and self._detectors:
+        if (kind == "chat" or api) and (self._detectors or self.spans is not None):
             try:
-                self._relocate(run, kind)
+                self._relocate(run, kind, namespace)
             except Exception:  # a bug must cost the request its relocation, not its answer
-                for name in self._detectors:
+                failed = [*self._detectors, *([VOLATILE_LEARNED] if self.spans else [])]
+                for name in failed:
                     self._errors[name] += 1
                     run.skipped.append(Skip(name, "error"))
             if run.deferred:
@@ -309,6 +360,7 @@ class Canonicalizer:
             notes_restored=run.notes.restored if run.notes else 0,
             note_values_omitted=run.notes.omitted if run.notes else 0,
             would_forward=run.body if config.dry_run and run.body is not body else None,
+            learned_spans=tuple(run.learned_ids),
         )
 
     def _learned(self, view: FormView, name: str, fixed: RewriteRule, api: bool) -> RewriteRule:
@@ -339,16 +391,27 @@ class Canonicalizer:
         (run.dry if self.config.dry_run else run.fired).append(name)
         run.body = outcome.body
 
-    def _relocate(self, run: _Run, kind: str) -> None:
+    def _relocate(self, run: _Run, kind: str, namespace: str) -> None:
         config = self.config
         api = kind in API_KINDS
         slots = api_stable_slots(kind, run.body) if api else stable_slots(run.body)
         finder = partial(api_note_target, kind) if api else None
-        found = detect(slots, self._detectors, self._detection_cache)
+        detected = detect(slots, self._detectors, self._detection_cache) if self._detectors else []
+        spans = self.spans
+        learned = spans.detection(namespace) if spans is not None else None
+        found = detected if learned is None else _merged(detected, detect(slots, *learned))
+        if spans is not None and run.observe and self._observe(namespace, slots, found):
+            learned = spans.detection(namespace)  # this request taught a pattern: use it now
+            if learned is not None:
+                found = _merged(detected, detect(slots, *learned))
         if not found:
             return
         taken = placeholders_in(slots)
-        enabled = [r for r in VOLATILE_RULES if r in self._detectors]
+        enabled = [
+            r
+            for r in VOLATILE_RULES
+            if r in self._detectors or (r == VOLATILE_LEARNED and learned is not None)
+        ]
         active = [r for r in enabled if not config.rule(r).dry_run]
         ws = config.rule(WHITESPACE)
         before = run.body
@@ -378,6 +441,7 @@ class Canonicalizer:
             self._measure(run.meter, before, applied, applied.rules)
             (run.dry if config.dry_run else run.fired).extend(applied.rules)
             run.body = applied.body
+            self._learned_used(run, namespace, applied)
         if len(active) == len(enabled):
             return
         would = relocate_spans(enabled)
@@ -388,6 +452,34 @@ class Canonicalizer:
             self._measure(run.meter, before, would, dry_rules)
             run.dry += dry_rules
             run.dry.sort(key=RULE_NAMES.index)
+            if VOLATILE_LEARNED in dry_rules:
+                self._learned_used(run, namespace, would)
+
+    def _observe(
+        self,
+        namespace: str,
+        slots: Sequence[TextSlot],
+        found: Sequence[tuple[TextSlot, list[Found]]],
+    ) -> bool:
+        """Teach the span memory this request's stable texts; whether it learned a pattern."""
+        assert self.spans is not None
+        finds = {id(slot): tuple(fs) for slot, fs in found} if found else {}
+        try:
+            return bool(self.spans.observe_slots(namespace, slots, finds))
+        except Exception:  # a bug costs the learning, never the request
+            self._errors[VOLATILE_LEARNED] += 1
+            return False
+
+    def _learned_used(self, run: _Run, namespace: str, reloc: Relocation) -> None:
+        """The learned patterns whose values ``reloc`` relocated, counted and listed."""
+        if self.spans is None or VOLATILE_LEARNED not in reloc.rules:
+            return
+        for slot, finds in reloc.spans:
+            ours = [f for f in finds if f.rule == VOLATILE_LEARNED]
+            if ours:
+                for pid in self.spans.used(namespace, slot.text, ours):
+                    if pid not in run.learned_ids:
+                        run.learned_ids.append(pid)
 
     @staticmethod
     def _measure(
@@ -403,6 +495,20 @@ class Canonicalizer:
             meter.relocation(
                 rule, before, replaced, reloc.without_note, reloc.body, reloc.note_message
             )
+
+
+def _merged(
+    a: list[tuple[TextSlot, list[Found]]], b: list[tuple[TextSlot, list[Found]]]
+) -> list[tuple[TextSlot, list[Found]]]:
+    """Two slot-wise detections as one, in slot order (``b``'s slots are among ``a``'s or
+    new)."""
+    if not a:
+        return b
+    if not b:
+        return a
+    extra = {id(slot): finds for slot, finds in b}
+    out = [(slot, [*finds, *extra.pop(id(slot), [])]) for slot, finds in a]
+    return out + [(slot, finds) for slot, finds in b if id(slot) in extra]
 
 
 def _same(body: dict[str, Any]) -> dict[str, Any]:

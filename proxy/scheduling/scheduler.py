@@ -48,6 +48,7 @@ from proxy.scheduling.slots import (
     SLOT_FOREIGN,
     SLOT_QUEUE,
     SLOT_REASONS,
+    SLOT_UNPINNED,
     SlotChoice,
     SlotRequest,
     SlotTable,
@@ -273,13 +274,21 @@ class Scheduler:
         *,
         model: str | None,
         stream: bool,
+        plain: bool = False,
     ) -> Ticket:
         """Decide where on ``replica`` the request goes, into ``ticket`` (a new one, which the
         caller holds before this may wait: the learner ends it should the wait be cut short);
         may wait (coalescing, fan-out). When the request is pinned, ``body["id_slot"]`` is set
         and ``Ticket.body_changed`` is True.
+
+        ``plain`` (a control-group request): nothing is decided, the server places it as it
+        would without the proxy; on a replica whose slots the proxy pins the request still
+        enters the slot table (``slot_unpinned``, its slot learned from the answer), so the
+        picture the other requests are pinned by stays true.
         """
         if view is None or not (self.pins(replica) or self.coalesces(replica)):
+            return ticket
+        if plain and not self.pins(replica):
             return ticket
         state = self.state(replica.url)
         ticket.state = state
@@ -297,7 +306,7 @@ class Scheduler:
                 fp=fp,
             )
             ticket.slot_api = replica.dialect.capabilities.slots
-            await self._pin(ticket, state, self._table(state, replica), req, body)
+            await self._pin(ticket, state, self._table(state, replica), req, body, plain=plain)
         else:
             cached = state.inflight.cached(fp.block_hashes, view.matched_for(replica.url))
             await self._coalesce(
@@ -312,6 +321,8 @@ class Scheduler:
         table: SlotTable,
         req: SlotRequest,
         body: MutableMapping[str, Any],
+        *,
+        plain: bool = False,
     ) -> None:
         now = monotonic()
         api = ticket.slot_api
@@ -319,7 +330,9 @@ class Scheduler:
         client = api.client_slot(body)
         choice: SlotChoice
         copied: SlotChoice | None = None
-        if client is not None:
+        if plain and client is None:
+            choice = SlotChoice(None, SLOT_UNPINNED, 0.0, req.prompt_tokens, 0.0)
+        elif client is not None:
             slot = client % len(table.slots)
             matched = table.matched_tokens(req, table.slots[slot].holds_after_queue())
             choice = SlotChoice(slot, SLOT_CLIENT, matched, req.prompt_tokens - matched, 0.0)
@@ -353,7 +366,7 @@ class Scheduler:
             table.place(task, choice.slot, task.t_sent, choice.pick)
         ticket.reason = choice.reason
         ticket.slot = choice.slot
-        if choice.reason not in (SLOT_BUSY, SLOT_FOREIGN):
+        if choice.reason not in (SLOT_BUSY, SLOT_FOREIGN, SLOT_UNPINNED):
             ticket.predicted_cached = choice.matched_tokens
             if task.pick is not None:
                 ticket.cache_source = task.pick.source

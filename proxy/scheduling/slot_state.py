@@ -27,6 +27,7 @@ SLOT_FOREIGN = "slot_foreign"
 SLOT_FANOUT = "slot_fanout"
 SLOT_RAM = "slot_ram"
 SLOT_SERVER = "slot_server"
+SLOT_UNPINNED = "slot_unpinned"  # a control-group request: the server chooses, the table follows
 SLOT_REASONS = (
     SLOT_RAM,
     SLOT_SERVER,
@@ -38,6 +39,7 @@ SLOT_REASONS = (
     SLOT_CLIENT,
     SLOT_FOREIGN,
     SLOT_FANOUT,
+    SLOT_UNPINNED,
 )
 
 FOREIGN_GRACE_S = 1.0  # a slot seen busy this soon after our request on it ended is still ours

@@ -30,7 +30,6 @@ Times are ``time.perf_counter`` seconds; every estimate comes from ``Rates``.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -41,6 +40,7 @@ from proxy.backends.slot_cache import (
     Pick,
     PromptQuery,
     RamCache,
+    RecentPrompts,
     ServerRules,
     SlotView,
     TokenCounter,
@@ -66,6 +66,7 @@ from proxy.scheduling.slot_state import (
     SLOT_RAM,
     SLOT_REASONS,
     SLOT_SERVER,
+    SLOT_UNPINNED,
     Continuations,
     Prefills,
     Slot,
@@ -91,6 +92,7 @@ __all__ = [
     "SLOT_RAM",
     "SLOT_REASONS",
     "SLOT_SERVER",
+    "SLOT_UNPINNED",
     "Continuations",
     "Prefills",
     "Slot",
@@ -122,7 +124,7 @@ class SlotTable:
         """The server's RAM prompt cache as the model has it (``llamacpp_cache``)."""
         self.counter = TokenCounter()
         self.continuations = Continuations()
-        self.recent: deque[CachedPrompt] = deque(maxlen=RECENT_STATES)
+        self.recent = RecentPrompts(RECENT_STATES)
         """The latest prompts sent, whether the server still holds them or not."""
         self.detect_unified = detect_unified
         self._emptied_seen = 0
@@ -431,14 +433,13 @@ class SlotTable:
                 task.state.gap_s = max(task.t_sent - outcome.matched.t_used, 0.0)
         # Which earlier prompt does this request continue, held by the server or lost: an
         # application whose prompts come back turn after turn is worth keeping apart on the slots.
-        for other in reversed(self.recent):
-            if other is not task.state and self.counter.shared(other, query).continues:
-                if not other.continued:
-                    other.continued = True
-                    self.continuations.observe(other, continued=True)
-                if task.state is not None and task.state.gap_s is None:
-                    task.state.gap_s = max(task.t_sent - other.t_used, 0.0)
-                break
+        other = self.recent.continued_by(query, exclude=task.state)
+        if other is not None:
+            if not other.continued:
+                other.continued = True
+                self.continuations.observe(other, continued=True)
+            if task.state is not None and task.state.gap_s is None:
+                task.state.gap_s = max(task.t_sent - other.t_used, 0.0)
         if task.state is not None:
             self.recent.append(task.state)
             self.continuations.observe(task.state, continued=False)

@@ -115,6 +115,10 @@ class EmbeddedStore:
             index = self._indexes[(namespace, replica)] = _ReplicaIndex()
         index.touched = now
         blocks = index.blocks
+        # The chain is touched tail first, so past capacity its own tail is what goes: touching
+        # only the leading ``capacity_blocks`` leaves the index exactly as touching all would.
+        if len(hashes) > capacity_blocks:
+            hashes = hashes[: max(capacity_blocks, 0)]
         for h in reversed(hashes):
             if h in blocks:
                 blocks.move_to_end(h)

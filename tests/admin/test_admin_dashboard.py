@@ -194,3 +194,29 @@ async def test_degraded_store_is_shown(
     assert "unavailable" in await page.inner_text("#empty-title")
     assert await page.is_hidden("#error-banner")  # /stats answered 200, not an error
     assert console.errors == []
+
+
+async def test_control_group_card_shows_both_groups_and_the_lift(
+    browser: Any, llama_fake: LlamaFake, make_proxy: MakeProxy, tmp_path: Path
+) -> None:
+    """With --control-share: the card lists treated, control and the lift as /stats has them;
+    without one the card stays hidden (the other tests' pages)."""
+    from proxy.control import ControlGroup
+
+    client, records, app = await make_proxy(llama_fake.url, control=ControlGroup(share=0.5))
+    await send_all(client, records, app, mixed_requests())
+    async with client.admin.get("/stats") as resp:
+        block = (await resp.json())["control_group"]
+    page, console = await open_page(browser, str(client.admin.make_url("/dashboard")))
+    await page.wait_for_selector("body[data-state=data]")
+    assert await page.is_visible("#card-control")
+    rows = page.locator("#table-control tbody tr")
+    assert await rows.count() == 3
+    treated = await page.inner_text('#table-control tr[data-group="treated"]')
+    assert str(block["groups"]["treated"]["requests"]) in treated
+    assert "50.0" in treated  # its share of conversations
+    assert "pt" in await page.inner_text('#table-control tr[data-group="lift"]') or (
+        block["lift"]["cached_share"]["value"] is None
+    )
+    await page.screenshot(path=str(tmp_path / "dashboard-control.png"), full_page=True)
+    assert console.errors == []

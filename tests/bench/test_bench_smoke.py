@@ -98,3 +98,22 @@ def test_cache_harness_quick_run_against_real_llama_server(tmp_path: Path) -> No
     misses = runs["prefixgate"]["miss_attribution"]  # every record's uncached tokens by cause
     assert misses["requests"] == runs["prefixgate"]["requests"]
     assert sum(misses["tokens"].values()) == misses["uncached_tokens"] > 0
+
+
+@pytest.mark.real
+@pytest.mark.timeout(900)
+def test_control_harness_quick_run_against_real_llama_servers(tmp_path: Path) -> None:
+    """bench_control.py --quick: three runs in lockstep, both groups and the lift reported."""
+    run_script(str(BENCH / "bench_control.py"), "--quick", "--out", str(tmp_path), timeout_s=880)
+    report = load(tmp_path / "control.json")
+    assert set(report["groups"]) == {
+        "mixed/treated",
+        "mixed/control",
+        "treated/treated",
+        "plain/control",
+    }
+    assert report["workload"]["requests"] == 8
+    for figures in report["groups"].values():
+        assert figures["requests"] > 0 and figures["prompt_tokens"] > 0
+    assert set(report["lift"]) == {"cached_share", "ttft_p50_ms", "ttft_p90_ms", "goodput_share"}
+    assert report["proxy_stats"] is not None  # the mixed run's own /stats block

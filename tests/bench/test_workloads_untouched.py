@@ -1,6 +1,6 @@
 """Applications whose requests are already stable are forwarded untouched: no rule fires on the
 bench's shared_system, multi_turn, rag and claude_code workloads (their bodies, canonicalized in
-order with learned forms, as the proxy does)."""
+order with learned forms and learned volatile spans, as the proxy does)."""
 
 from __future__ import annotations
 
@@ -32,3 +32,4 @@ async def test_no_rule_fires_on_a_stable_workload(name: str) -> None:
     await workloads.WORKLOADS[name](send, workloads.Scale())
     assert len(sent) > 3
     assert sum(canon.counters.values()) == 0
+    assert canon.spans is not None and canon.spans.patterns("default") == ()

@@ -14,6 +14,7 @@ import planted  # the known-answer input builders
 from analyzers import analyze
 from analyzers.breakers import UNKNOWN_RULE
 from analyzers.spans import RULE_NOTE, classify, first_difference, resync, suggest_pattern
+from proxy.canonical import Canonicalizer
 
 
 def write_log(tmp_path: Path, bodies: list[dict[str, object]], *, with_body: bool) -> Path:
@@ -30,7 +31,8 @@ EXPECTED = {
     "hex": ("volatile_hex_ids", "system"),
     "shuffled": ("stable_json", "tools"),
     "whitespace": ("whitespace", "system"),
-    "custom": (r"custom pattern: Visitor\ number:\ \d+", "system"),
+    # A value no detector knows, in the system prompt: the proxy learns it (volatile_learned).
+    "custom": ("volatile_learned", "system"),
 }
 
 
@@ -151,3 +153,30 @@ def test_a_relocation_note_before_tool_turns_is_named(tmp_path: Path) -> None:
 def test_last_suffix_leaves_an_agent_loop_without_breakers(tmp_path: Path) -> None:
     result = analyze([write_log(tmp_path, agent_turns("last_suffix"), with_body=True)])
     assert result.breakers == []
+
+
+def test_the_analyzer_names_the_span_the_proxy_learns(tmp_path: Path) -> None:
+    """The analyzer's volatile_learned breaker is labelled with the very pattern the proxy
+    learns from the same requests (one judge for both), and the proxy relocates it."""
+    bodies = planted.breaker_bodies()["custom"]
+    result = analyze([write_log(tmp_path, bodies, with_body=True)])
+    (breaker,) = result.breakers
+    canon = Canonicalizer()
+    fired = []
+    for body in bodies:
+        fired.append(canon.apply("/v1/chat/completions", body).fired)
+    assert canon.spans is not None
+    (pattern,) = canon.spans.patterns("default")
+    assert breaker.rule == "volatile_learned" and breaker.label == pattern.describe()
+    assert breaker.label == "Visitor number: ⟨digits⟩⏎"
+    assert fired[-1] == ("volatile_learned",)
+
+
+def test_a_value_outside_the_stable_segments_is_not_learned() -> None:
+    """The same value in a conversation message: a custom pattern is suggested, not the
+    learned rule (the proxy never learns from conversation content)."""
+    a = b"\x1euser\x1fPlease help. Visitor number: 41\nThe rest of the message is long enough."
+    b = b"\x1euser\x1fPlease help. Visitor number: 54\nThe rest of the message is long enough."
+    lo = a.index(b"41")
+    assert classify(a, lo, lo + 2, b, lo, lo + 2).rule.startswith("custom pattern: ")
+    assert classify(a, lo, lo + 2, b, lo, lo + 2, stable=True).rule == "volatile_learned"

@@ -44,6 +44,7 @@ def test_rule_names_are_the_contract() -> None:
         "volatile_uuids",
         "volatile_hex_ids",
         "custom_patterns",
+        "volatile_learned",
     )
 
 

@@ -480,6 +480,47 @@
       rows, "no backend"));
   }
 
+  function estimate(est, fmt) {
+    if (!est || !isNum(est.value)) return "—";
+    const [lo, hi] = est.ci || [];
+    return fmt(est.value) + (isNum(lo) && isNum(hi) ? " [" + fmt(lo) + ", " + fmt(hi) + "]" : "");
+  }
+
+  function points(v) { return (v >= 0 ? "+" : "") + (100 * v).toFixed(1) + " pt"; }
+  function signedMs(v) { return (v >= 0 ? "+" : "−") + ms(Math.abs(v)); }
+
+  function renderControl(data) {
+    const block = data.control_group;
+    $("card-control").classList.toggle("hidden", !block);
+    const box = $("table-control");
+    clear(box);
+    if (!block) return;
+    const share = (v) => pct(v, 1);
+    const groups = block.groups || {};
+    const row = (name, label, g) => el("tr", { "data-group": name },
+      el("td", { class: "label", text: label }),
+      el("td", { class: "num", text: compact(g.conversations || 0) }),
+      el("td", { class: "num", text: compact(g.requests || 0) }),
+      el("td", { class: "num", text: estimate(g.cached_share, share) }),
+      el("td", { class: "num", text: estimate(g.ttft_p50_ms, ms) }),
+      el("td", { class: "num", text: estimate(g.ttft_p90_ms, ms) }),
+      el("td", { class: "num", text: estimate(g.goodput_share, share) }));
+    const lift = block.lift || {};
+    const liftRow = el("tr", { "data-group": "lift" },
+      el("td", { class: "label", text: "lift (treated − control)" }),
+      el("td", { class: "num", text: "" }),
+      el("td", { class: "num", text: "" }),
+      el("td", { class: "num", text: estimate(lift.cached_share, points) }),
+      el("td", { class: "num", text: estimate(lift.ttft_p50_ms, signedMs) }),
+      el("td", { class: "num", text: estimate(lift.ttft_p90_ms, signedMs) }),
+      el("td", { class: "num", text: estimate(lift.goodput_share, points) }));
+    box.appendChild(table(
+      [["Group"], ["Conversations", "num"], ["Requests", "num"], ["Cached share", "num"], ["TTFT p50", "num"], ["TTFT p90", "num"], ["Goodput", "num"]],
+      [row("treated", "treated (" + pct(1 - block.share, 1) + " of conversations)", groups.treated || {}),
+        row("control", "control (" + pct(block.share, 1) + ")", groups.control || {}), liftRow],
+      "no request yet"));
+  }
+
   function renderPrefixes(data) {
     const box = $("table-prefixes");
     clear(box);
@@ -714,6 +755,7 @@
       renderPrefixes(data);
       renderRules(data);
       renderMisses(data);
+      renderControl(data);
     }
     const store = data.store || {};
     const storeBanner = $("store-banner");
