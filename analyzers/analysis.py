@@ -93,6 +93,7 @@ class Analysis:
             "breakers": [b.as_dict() for b in self.breakers[:top]],
             "provider_rules": asdict(self.providers),
             "goodput": _goodput_json(self.goodput),
+            "miss_attribution": t.misses.to_json(),
             "timeline": [asdict(b) for b in self.timeline],
             "notes": t.notes,
             "template_clocks": t.template_clocks,

@@ -300,6 +300,7 @@ def _from_record(obj: dict[str, Any], source: str, trace: Trace) -> TraceRequest
         canonical_rules=get(K_CANONICAL_RULES) or (),
         affinity_key=_hex_or_none(get(K_AFFINITY_KEY)),
     )
+    trace.misses.add(get)
     learned = get(K_LEARNED_SPANS)
     if type(learned) is list:
         for pid in learned:

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from analyzers import formatting as fmt
 from analyzers.analysis import Analysis
+from analyzers.misses import CAUSES
 
 _BAR = 24
 
@@ -153,6 +154,38 @@ def _providers(a: Analysis, top: int) -> Group:
     return Group(line, table)
 
 
+def _misses(a: Analysis) -> Table:
+    m = a.trace.misses
+    table = Table(
+        title=f"Why prompt tokens missed the cache ({m.requests:,} attributed requests, "
+        f"{fmt.tokens(m.uncached)} uncached tokens)",
+        title_justify="left",
+    )
+    table.add_column("cause", style="bold")
+    table.add_column("tokens", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("")
+    table.add_column("recommended fix", max_width=70)
+    fixes = m.fixes()
+    for cause in CAUSES:
+        share = m.share(cause) or 0.0
+        detail = ""
+        if cause == "breaker" and m.breaker_rules:
+            detail = " (" + ", ".join(f"{r} {fmt.tokens(n)}" for r, n in m.breaker_rules.items())
+            detail += ")"
+        if cause == "routing" and m.routing_why:
+            detail = " (" + ", ".join(f"{w} {fmt.tokens(n)}" for w, n in m.routing_why.items())
+            detail += ")"
+        table.add_row(
+            cause,
+            fmt.tokens(m.tokens[cause]),
+            fmt.percent(share),
+            Text(_bar(share), style="yellow" if cause != "new" else "dim"),
+            Text(fixes.get(cause, "-") + detail),
+        )
+    return table
+
+
 def _goodput(a: Analysis) -> Table:
     g = a.goodput
     table = Table(
@@ -180,6 +213,8 @@ def print_report(a: Analysis, console: Console, *, top: int = 10) -> None:
     console.print(_prefixes(a, top))
     console.print(_breakers(a, top))
     console.print(_providers(a, top))
+    if a.trace.misses.requests:
+        console.print(_misses(a))
     if a.goodput.ttft_hit.count or a.goodput.ttft_miss.count or a.goodput.slo_requests:
         console.print(_goodput(a))
     for note in a.trace.notes:

@@ -19,6 +19,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
+from analyzers.misses import MissTotals
+
 PrefixKey: TypeAlias = Hashable  # an int block id or hash, or a hex segment hash
 
 
@@ -137,6 +139,8 @@ class Trace:
     template_clocks: dict[str, str] = field(default_factory=dict)
     """Backends whose chat template prints the ``date`` or ``time`` into every prompt (from the
     records' ``template_clock``)."""
+    misses: MissTotals = field(default_factory=MissTotals)
+    """The records' miss attribution, added up (``analyzers.misses``)."""
     learned_spans: dict[str, int] = field(default_factory=dict)
     """Requests per learned volatile-span pattern id whose value the proxy relocated (from the
     records' ``canonical_learned_spans``)."""

@@ -22,9 +22,16 @@ to its longest common prefix with any earlier prompt). Every proxied run reports
 error: mean ``|predicted_cached_tokens - cached_tokens| / prompt_tokens`` over its records.
 Shares are over every request but the first of each run (the first can hit nothing).
 
+Every proxied run also reports the miss attribution of its records (``proxy.attribution``): the
+uncached prompt tokens by cause (new, breaker, routing, evicted, unexplained), with the rules
+named for the breakers and the reasons for routing.
+
 Run: ``python bench/bench_cache.py [--quick] [--workloads a,b] [--slots 2] [--out DIR]``
 (``--slots 0``: llama-server's own slot setup, no ``-np``; ``--server-args "..."``: more
-llama-server flags, for both runs, which the proxy is told of where it models them).
+llama-server flags, for both runs, which the proxy is told of where it models them;
+``--canonical-mode dry-run``: the canonicalizer only watches, and forwards the original requests;
+``--replicas 2 --policy round-robin``: the proxied run spreads over that many llama-servers,
+each as large as the direct run's one; ``--proxied-only``: no direct run).
 Writes ``cache.json`` in ``--out`` (default ``bench/results``). Ten to twenty minutes on 2 cores.
 """
 
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import math
 import os
@@ -165,6 +173,43 @@ def prediction_error(records: list[dict[str, Any]]) -> float | None:
     return round(sum(errors) / len(errors), 4) if errors else None
 
 
+MISS_KEYS = {
+    "new": "miss_new_tokens",
+    "breaker": "miss_breaker_tokens",
+    "routing": "miss_routing_tokens",
+    "evicted": "miss_evicted_tokens",
+    "unexplained": "miss_unexplained_tokens",
+}
+
+
+def miss_attribution(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The records' uncached prompt tokens by cause, with the breakers' rules and the routing
+    reasons (tokens each), and each cause's share of the uncached tokens."""
+    tokens = dict.fromkeys(MISS_KEYS, 0)
+    rules: Counter[str] = Counter()
+    why: Counter[str] = Counter()
+    uncached = attributed = 0
+    for r in records:
+        if r.get("miss_new_tokens") is None:
+            continue
+        attributed += 1
+        uncached += r["prompt_tokens"] - r["cached_tokens"]
+        for cause, key in MISS_KEYS.items():
+            tokens[cause] += r.get(key) or 0
+        for rule in r.get("miss_breaker_rules") or ():
+            rules[rule] += r.get("miss_breaker_tokens") or 0
+        if r.get("miss_routing_why"):
+            why[r["miss_routing_why"]] += r.get("miss_routing_tokens") or 0
+    return {
+        "requests": attributed,
+        "uncached_tokens": uncached,
+        "tokens": tokens,
+        "shares": {c: round(n / uncached, 4) if uncached else None for c, n in tokens.items()},
+        "breaker_rules": dict(rules),
+        "routing_why": dict(why),
+    }
+
+
 def share_after_first(results: list[Result]) -> float | None:
     prompt = sum(r.prompt_tokens or 0 for r in results[1:])
     cached = sum(r.cached_tokens or 0 for r in results[1:])
@@ -233,37 +278,54 @@ def run_workload(
     proxy_args: Sequence[str] = (),
     server_args: Sequence[str] = (),
     records_out: Path | None = None,
+    replicas: int = 1,
+    proxied_only: bool = False,
 ) -> dict[str, Any]:
     """The workload direct and through prefixgate, in lockstep, each on a fresh llama-server.
 
-    ``records_out``: where to keep a copy of prefixgate's records.
+    ``records_out``: where to keep a copy of prefixgate's records; ``replicas``: llama-servers
+    behind the proxy; ``proxied_only``: no direct run (half the machine time, for what only
+    the proxy's records say, such as the miss attribution).
     """
+    modes = ("prefixgate",) if proxied_only else MODES
     # --poll 0: the server waiting for its turn sleeps instead of spinning its threads, which
     # would take the cores from the one computing.
     extra = ("--poll", "0", "--jinja", "--chat-template-file", str(TEMPLATE), *server_args)
     ctx = 4096 * max(slots, 2)
     if name.startswith("fleet_"):
         scale = fleet_scale(scale, slots)
-    with (
-        procs.start_llama_server(workdir, slots=slots, ctx=ctx, extra=extra) as direct,
-        procs.start_llama_server(workdir, slots=slots, ctx=ctx, extra=extra) as behind,
-        procs.start_prefixgate(
-            workdir, behind.url, name=f"prefixgate-{name}", extra=proxy_args
-        ) as proxy,
-    ):
+    with contextlib.ExitStack() as stack:
+        direct = None
+        if not proxied_only:
+            direct = stack.enter_context(
+                procs.start_llama_server(workdir, slots=slots, ctx=ctx, extra=extra)
+            )
+        behind = [
+            stack.enter_context(
+                procs.start_llama_server(workdir, slots=slots, ctx=ctx, extra=extra)
+            )
+            for _ in range(max(replicas, 1))
+        ]
+        more = [a for b in behind[1:] for a in ("--backend", b.url)]
+        proxy = stack.enter_context(
+            procs.start_prefixgate(
+                workdir, behind[0].url, name=f"prefixgate-{name}", extra=[*more, *proxy_args]
+            )
+        )
         workload = workloads.WORKLOADS[name]
 
         Run = tuple[list[Result], float]
 
-        async def both() -> tuple[Run, Run]:
-            turns = Turns(list(MODES))
-            return await asyncio.gather(
-                drive("direct", direct.url, workload, scale, turns),
-                drive("prefixgate", proxy.url, workload, scale, turns),
+        urls = {"direct": direct.url if direct else "", "prefixgate": proxy.url}
+
+        async def both() -> list[Run]:
+            turns = Turns(list(modes))
+            return list(
+                await asyncio.gather(*(drive(m, urls[m], workload, scale, turns) for m in modes))
             )
 
         with procs.OtherLoad() as other:
-            (d_results, d_own), (p_results, p_own) = asyncio.run(both())
+            ran = dict(zip(modes, asyncio.run(both()), strict=True))
         time.sleep(0.3)  # records are written just after each response ends
         rules = fired_rules(proxy.extra_files["records"])
         records = read_records(proxy.extra_files["records"])
@@ -272,21 +334,23 @@ def run_workload(
         ideal = None
         if name in workloads.CEILINGS:
             plain = workloads.CEILINGS[name](scale)
-            ideal = ideal_share(asyncio.run(token_ids(direct.url, plain)))
+            server = direct.url if direct else behind[0].url  # stateless endpoints
+            ideal = ideal_share(asyncio.run(token_ids(server, plain)))
     runs: dict[str, Any] = {
-        "direct": summary_of(d_results, d_own, {}),
-        "prefixgate": summary_of(p_results, p_own, rules),
+        m: summary_of(*ran[m], rules if m == "prefixgate" else {}) for m in modes
     }
     for summary in runs.values():
         summary["other_cpu_cores"] = other.cores
     runs["prefixgate"]["prediction_error"] = prediction_error(records)
+    runs["prefixgate"]["miss_attribution"] = miss_attribution(records)
+    runs["prefixgate"]["route_reasons"] = dict(Counter(r.get("route_reason") for r in records))
     runs["prefixgate"]["cache_sources"] = dict(Counter(r.get("cache_source") for r in records))
     runs["prefixgate"]["schedule_reasons"] = dict(
         Counter(r.get("schedule_reason") for r in records)
     )
     if ideal is not None:
         runs["ideal"] = {"cached_share_after_first": ideal}
-        for mode in MODES:
+        for mode in modes:
             share = runs[mode].get("cached_share_after_first")
             if share is not None and ideal:
                 runs[mode]["share_of_ideal"] = round(share / ideal, 3)
@@ -302,6 +366,10 @@ def run(
     server_args: Sequence[str] = (),
     report_name: str = "cache",
     canonical: str | None = None,
+    canonical_mode: str = "on",
+    replicas: int = 1,
+    policy: str | None = None,
+    proxied_only: bool = False,
 ) -> dict[str, Any]:
     report: dict[str, Any] = {
         "machine": {
@@ -315,11 +383,18 @@ def run(
             + (f", {' '.join(server_args)}" if server_args else "")
         ),
         "slo": {"ttft_ms": SLO.ttft_ms, "tpot_ms": SLO.tpot_ms},
+        "canonical_mode": canonical_mode,
+        "replicas": replicas,
+        "policy": policy,
         "scale": vars_of(scale),
         "workloads": {},
     }
     with tempfile.TemporaryDirectory(prefix="pg-cache-") as tmp:
         proxy_args: list[str] = proxy_args_for(server_args)
+        if canonical_mode == "dry-run":
+            proxy_args.append("--canonical-dry-run")
+        if policy is not None:
+            proxy_args += ["--policy", policy]
         if note_placement is not None or canonical is not None:
             config = Path(tmp) / "prefixgate.toml"
             table = "[canonical]\n"
@@ -336,7 +411,9 @@ def run(
             t0 = time.monotonic()
             out_dir.mkdir(parents=True, exist_ok=True)
             kept = out_dir / f"{report_name}-{name}-records.jsonl"
-            runs = run_workload(name, scale, Path(tmp), slots, proxy_args, server_args, kept)
+            runs = run_workload(
+                name, scale, Path(tmp), slots, proxy_args, server_args, kept, replicas, proxied_only
+            )
             for summary in runs.values():
                 summary["seconds"] = round(time.monotonic() - t0, 1)
                 summary["loadavg"] = [round(x, 2) for x in os.getloadavg()]
@@ -408,6 +485,25 @@ def print_table(report: dict[str, Any]) -> None:
                 ", ".join(f"{k} {v}" for k, v in s["canonical_rules"].items()) or "-",
             )
     Console(width=200).print(table)
+    causes = list(MISS_KEYS)
+    misses = Table(title="Uncached prompt tokens of the proxied runs, by cause (miss attribution)")
+    for col in ("workload", "uncached tokens", *causes, "breaker rules", "routing why"):
+        misses.add_column(col, justify="right")
+    for name, modes in report["workloads"].items():
+        m = modes["prefixgate"].get("miss_attribution")
+        if not m:
+            continue
+        misses.add_row(
+            name,
+            f"{m['uncached_tokens']:,}",
+            *(
+                f"{m['tokens'][c]:,} ({m['shares'][c]:.1%})" if m["shares"][c] is not None else "-"
+                for c in causes
+            ),
+            ", ".join(f"{k} {v:,}" for k, v in m["breaker_rules"].items()) or "-",
+            ", ".join(f"{k} {v:,}" for k, v in m["routing_why"].items()) or "-",
+        )
+    Console(width=200).print(misses)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -430,6 +526,19 @@ def main(argv: list[str] | None = None) -> int:
         help="more [canonical] TOML lines for the proxied runs, ';'-separated "
         "(e.g. 'rules.volatile_learned.min_values = 2')",
     )
+    parser.add_argument(
+        "--canonical-mode",
+        choices=("on", "dry-run"),
+        default="on",
+        help="the proxied runs' canonicalizer: on (its defaults) or dry-run (watches only)",
+    )
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="llama-servers behind the proxy (default 1)"
+    )
+    parser.add_argument("--policy", help="the proxy's routing policy (with --replicas > 1)")
+    parser.add_argument(
+        "--proxied-only", action="store_true", help="no direct run (the proxy's records only)"
+    )
     args = parser.parse_args(argv)
     scale = workloads.QUICK if args.quick else workloads.Scale()
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
@@ -445,6 +554,10 @@ def main(argv: list[str] | None = None) -> int:
         shlex.split(args.server_args),
         args.name,
         args.canonical,
+        args.canonical_mode,
+        args.replicas,
+        args.policy,
+        args.proxied_only,
     )
     print_table(report)
     print(f"wrote {Path(args.out) / (args.name + '.json')}")

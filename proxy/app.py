@@ -23,6 +23,7 @@ from aiohttp.typedefs import Middleware
 
 from proxy import handlers
 from proxy.admin import ADMIN_APP, ADMIN_PATHS, build_admin_app
+from proxy.attribution import MissAttributor
 from proxy.auth import KeysFileError, auth_middleware, load_keys, refuse_ambiguous_paths
 from proxy.canonical import Canonicalizer, config_from_mapping
 from proxy.canonical.forms import FormMemory
@@ -170,6 +171,10 @@ def build_app(
                 redactor=redactor,
                 scheduler=Scheduler(
                     settings.scheduling, tokens_per_byte=tracker.tokens_per_byte.get
+                ),
+                misses=MissAttributor(
+                    dry_run=canonicalizer.config.enabled and canonicalizer.config.dry_run,
+                    healthy=fleet.is_healthy,
                 ),
                 ledger=ledger,
                 tracer=tracer,

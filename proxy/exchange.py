@@ -23,6 +23,7 @@ from proxy.records import Observation, RecordBuilder, RequestRecord, utc_now_iso
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
 
+    from proxy.attribution import MissAttributor
     from proxy.canonical import CanonicalResult
     from proxy.fleet import Replica
     from proxy.hosted import AffinityKey
@@ -116,8 +117,11 @@ def build_record(
     tracker: PrefixTracker,
     redactor: Redactor,
     log_prompts: bool,
+    misses: MissAttributor | None = None,
 ) -> RequestRecord:
-    """The request's record, from what every stage handed on in ``ex``."""
+    """The request's record, from what every stage handed on in ``ex``.
+
+    ``misses``: attributes the uncached prompt tokens to causes (``proxy.attribution``)."""
     target, view, canonical, ticket = ex.target, ex.view, ex.canonical, ex.ticket
     record = builder.build(
         ex.obs,
@@ -181,6 +185,16 @@ def build_record(
             # RAM cache holds.
             record.predicted_cached_tokens = round(ticket.predicted_cached)
             record.cache_source = ticket.cache_source
+    if misses is not None:
+        split = misses.attribute(ex, record, tracker.tokens_per_byte.get(record.model))
+        if split is not None:
+            record.miss_new_tokens = split.new
+            record.miss_breaker_tokens = split.breaker
+            record.miss_breaker_rules = list(split.breaker_rules) or None
+            record.miss_routing_tokens = split.routing
+            record.miss_routing_why = split.routing_why
+            record.miss_evicted_tokens = split.evicted
+            record.miss_unexplained_tokens = split.unexplained
     return record
 
 

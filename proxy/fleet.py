@@ -386,6 +386,10 @@ class Fleet:
         """Replicas for a non-inference request: healthy ones first, in configured order."""
         return sorted(self.replicas, key=lambda r: not r.healthy)
 
+    def is_healthy(self, url: str) -> bool:
+        """Whether the replica at ``url`` passes its health checks (False: not one of ours)."""
+        return any(r.url == url and r.healthy for r in self.replicas)
+
     def readiness(self) -> dict[str, bool]:
         """Health per replica, as ``/readyz`` reports it."""
         return {r.url: r.healthy for r in self.replicas}

@@ -191,6 +191,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
             tracker=state.tracker,
             redactor=state.redactor,
             log_prompts=state.settings.log_prompts,
+            misses=state.misses,
         )
         state.writer.emit(record, ex)
 

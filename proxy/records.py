@@ -263,6 +263,55 @@ class RequestRecord:
             },
         ),
     )
+    miss_new_tokens: int | None = field(
+        default=None,
+        metadata=when_set(
+            "Uncached prompt tokens no earlier request in the index's window shared (miss "
+            "attribution: the five ``miss_*_tokens`` add up to ``prompt_tokens - cached_tokens``)."
+        ),
+    )
+    miss_breaker_tokens: int | None = field(
+        default=None,
+        metadata=when_set(
+            "Uncached prompt tokens an earlier request shared but for a span a canonicalizer "
+            "rule in dry-run would fix (``miss_breaker_rules``)."
+        ),
+    )
+    miss_breaker_rules: list[str] | None = field(
+        default=None,
+        metadata=when_set(
+            "The dry-run rules behind ``miss_breaker_tokens``, the largest stable-bytes gain "
+            "first (the likeliest breaker)."
+        ),
+    )
+    miss_routing_tokens: int | None = field(
+        default=None,
+        metadata=when_set(
+            "Uncached prompt tokens another replica (or slot) held that the chosen one did not."
+        ),
+    )
+    miss_routing_why: str | None = field(
+        default=None,
+        metadata=when_set(
+            "Why the replica or slot holding more was passed over: ``load_gate``, ``health``, "
+            "``round_robin``, ``least_loaded``, ``min_affinity``, ``affinity_key``, ``retry``, "
+            "``slot``, ``stale``."
+        ),
+    )
+    miss_evicted_tokens: int | None = field(
+        default=None,
+        metadata=when_set(
+            "Uncached prompt tokens the chosen replica held by its cache model (or the index) "
+            "but the backend did not serve (capacity, eviction, a restart)."
+        ),
+    )
+    miss_unexplained_tokens: int | None = field(
+        default=None,
+        metadata=when_set(
+            "Uncached prompt tokens no cause accounts for (index unavailable, or a shortfall "
+            "within one index block of the prediction)."
+        ),
+    )
     body: dict[str, Any] | None = field(
         default=None, metadata=when_set("The request as sent, redacted (only with --log-prompts).")
     )

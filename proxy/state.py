@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from proxy.attribution import MissAttributor
 from proxy.canonical import Canonicalizer
 from proxy.config import Settings
 from proxy.exchange import Exchange
@@ -34,6 +35,8 @@ class ProxyState:
     canonicalizer: Canonicalizer
     redactor: Redactor
     scheduler: Scheduler
+    misses: MissAttributor
+    """Attributes every request's uncached prompt tokens to causes (``proxy.attribution``)."""
     ledger: LiftLedger | None = None
     """The control group's per-conversation tallies (only with ``--control-share``)."""
     tracer: RecordTracer | None = None

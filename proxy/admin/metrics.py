@@ -180,6 +180,17 @@ class ProxyMetrics:
         self.canonical_rules = counter(
             "prefixgate_canonical_rule_fired", "requests a canonicalization rule changed", ("rule",)
         )
+        self.uncached_tokens = counter(
+            "prefixgate_uncached_tokens",
+            "backend-reported prompt tokens not served from cache, by cause (miss attribution: "
+            "new, breaker, routing, evicted, unexplained)",
+            ("model", "backend", "cause"),
+        )
+        self.breaker_tokens = counter(
+            "prefixgate_breaker_tokens",
+            "uncached prompt tokens a canonicalization rule in dry-run would have made cacheable",
+            ("rule",),
+        )
         self.route_decisions = counter(
             "prefixgate_route_decisions", "routing decisions by reason", ("backend", "reason")
         )
@@ -307,6 +318,7 @@ class ProxyMetrics:
             self._child(self.saved_usd, *mb).inc(saved_usd)
         for rule in record.canonical_rules:
             self._child(self.canonical_rules, rule).inc()
+        self._observe_misses(record, mb)
         if record.route_reason is not None and record.backend:
             self.route_decision(record.backend, record.route_reason)
         self._observe_schedule(record)
@@ -327,6 +339,23 @@ class ProxyMetrics:
         ttft = _positive(record.ttft_ms)
         if ttft is not None:
             self._child(self.group_ttft, group).observe(ttft / 1000.0)
+
+    def _observe_misses(self, record: RequestRecord, mb: tuple[str, str]) -> None:
+        if record.miss_new_tokens is None:
+            return
+        for cause, tokens in (
+            ("new", record.miss_new_tokens),
+            ("breaker", record.miss_breaker_tokens),
+            ("routing", record.miss_routing_tokens),
+            ("evicted", record.miss_evicted_tokens),
+            ("unexplained", record.miss_unexplained_tokens),
+        ):
+            # Every cause of an attributed request, zeros included: the series exist at once.
+            self._child(self.uncached_tokens, *mb, cause).inc(max(tokens or 0, 0))
+        breaker = record.miss_breaker_tokens or 0
+        for rule in record.miss_breaker_rules or ():
+            if breaker > 0 and _REASON_OK.match(rule):
+                self._child(self.breaker_tokens, rule).inc(breaker)
 
     def _observe_schedule(self, record: RequestRecord) -> None:
         reason = record.schedule_reason

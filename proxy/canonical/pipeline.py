@@ -150,6 +150,9 @@ class CanonicalResult:
     """Notes of earlier turns put back into the history."""
     note_values_omitted: int = 0
     """Values the new note leaves out because a restored note already states them."""
+    would_forward: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    """In global dry-run, the body the rules would have forwarded (None when they would change
+    nothing, or when not in global dry-run): what miss attribution measures breakers by."""
     learned_spans: tuple[str, ...] = ()
     """Ids of the learned span patterns whose values were relocated (or would be, dry-run)."""
 
@@ -356,6 +359,7 @@ class Canonicalizer:
             learned=_learned(view),
             notes_restored=run.notes.restored if run.notes else 0,
             note_values_omitted=run.notes.omitted if run.notes else 0,
+            would_forward=run.body if config.dry_run and run.body is not body else None,
             learned_spans=tuple(run.learned_ids),
         )
 

@@ -38,6 +38,11 @@ SCHEDULE_PREFIX = "schedule:"
 SOURCE_PREFIX = "source:"
 KEY_PREFIX = "key:"
 STRIPPED_PREFIX = "stripped:"
+MISS_PREFIX = "miss:"
+MISS_RULE_PREFIX = "miss_rule:"
+MISS_WHY_PREFIX = "miss_why:"
+MISS_CAUSES = ("new", "breaker", "routing", "evicted", "unexplained")
+"""The causes of uncached tokens (``proxy.attribution.CAUSES``, which a test keeps equal)."""
 
 
 def latency_bucket(value_ms: float) -> int:
@@ -79,6 +84,10 @@ class StatsSample:
     """Where the client's conversation key came from (``prompt_cache_key``, a header)."""
     hosted_stripped: list[str] = field(default_factory=list)
     """Hosted-only fields removed before the request went upstream."""
+    misses: dict[str, int] | None = None
+    """Uncached prompt tokens by cause (``MISS_CAUSES``); None: not attributed."""
+    miss_breaker_rules: list[str] = field(default_factory=list)
+    miss_routing_why: str | None = None
 
     @classmethod
     def from_record(
@@ -120,6 +129,9 @@ class StatsSample:
             cache_source=record.cache_source,
             affinity_source=record.affinity_source or None,
             hosted_stripped=[n for n in record.hosted_fields_stripped or () if n],
+            misses=_misses(record),
+            miss_breaker_rules=[r for r in record.miss_breaker_rules or () if r],
+            miss_routing_why=record.miss_routing_why or None,
         )
 
     def latencies(self) -> dict[str, float | None]:
@@ -130,6 +142,34 @@ class StatsSample:
             "tpot": self.tpot_ms,
             "e2e": self.e2e_ms,
         }
+
+
+def _misses(record: RequestRecord) -> dict[str, int] | None:
+    if record.miss_new_tokens is None:
+        return None
+    return {
+        "new": record.miss_new_tokens,
+        "breaker": record.miss_breaker_tokens or 0,
+        "routing": record.miss_routing_tokens or 0,
+        "evicted": record.miss_evicted_tokens or 0,
+        "unexplained": record.miss_unexplained_tokens or 0,
+    }
+
+
+def _miss_increments(sample: StatsSample, inc: dict[str, float]) -> None:
+    misses = sample.misses
+    if misses is None or sample.prompt_tokens is None or sample.cached_tokens is None:
+        return
+    inc["miss_requests"] = 1.0
+    inc["miss_prompt_tokens"] = float(sample.prompt_tokens)
+    inc["miss_cached_tokens"] = float(sample.cached_tokens)
+    for cause in MISS_CAUSES:
+        inc[MISS_PREFIX + cause] = float(misses.get(cause, 0))
+    breaker = misses.get("breaker", 0)
+    for rule in sample.miss_breaker_rules:  # each rule named is credited the whole span
+        inc[MISS_RULE_PREFIX + rule] = float(breaker)
+    if sample.miss_routing_why:
+        inc[MISS_WHY_PREFIX + sample.miss_routing_why] = float(misses.get("routing", 0))
 
 
 def sample_increments(sample: StatsSample) -> dict[str, float]:
@@ -182,6 +222,7 @@ def sample_increments(sample: StatsSample) -> dict[str, float]:
         inc[KEY_PREFIX + sample.affinity_source] = 1.0
     for name in sample.hosted_stripped:
         inc[STRIPPED_PREFIX + name] = 1.0
+    _miss_increments(sample, inc)
     for metric, value in sample.latencies().items():
         if value is None or not math.isfinite(value) or value < 0:
             continue
@@ -306,6 +347,22 @@ class Tally:
         field was removed from, by field."""
         return {"keys": self.prefixed(KEY_PREFIX), "stripped": self.prefixed(STRIPPED_PREFIX)}
 
+    def misses(self) -> dict[str, Any]:
+        """The attributed requests' uncached prompt tokens by cause, with the dry-run rules
+        behind the breakers and the reasons behind routing (tokens each)."""
+        tokens = {c: round(self.get(MISS_PREFIX + c)) for c in MISS_CAUSES}
+        uncached = sum(tokens.values())
+        return {
+            "requests": round(self.get("miss_requests")),
+            "prompt_tokens": round(self.get("miss_prompt_tokens")),
+            "cached_tokens": round(self.get("miss_cached_tokens")),
+            "uncached_tokens": uncached,
+            "tokens": tokens,
+            "shares": {c: _rounded(_ratio(n, uncached)) for c, n in tokens.items()},
+            "breaker_rules": self.prefixed(MISS_RULE_PREFIX),
+            "routing_why": self.prefixed(MISS_WHY_PREFIX),
+        }
+
     def histogram(self, metric: str) -> list[int]:
         """Counts per latency bucket (one more than ``LATENCY_BOUNDS_MS``: the overflow)."""
         return [round(self.get(f"{metric}:h{i}")) for i in range(len(LATENCY_BOUNDS_MS) + 1)]
@@ -358,6 +415,7 @@ class Tally:
             "schedules": self.schedules(),
             "cache_sources": self.cache_sources(),
             "hosted": self.hosted(),
+            "misses": self.misses(),
             "latency_ms": {m: self.latency_summary(m) for m in LATENCY_METRICS},
         }
 

@@ -27,6 +27,7 @@ CONTRACT = {
     "prefixgate_saved_prefill_seconds_total",
     "prefixgate_saved_usd_total",
     "prefixgate_canonical_rule_fired_total",
+    "prefixgate_uncached_tokens_total",
     "prefixgate_store_failures_total",
     "prefixgate_time_to_first_token_seconds_bucket",
     "prefixgate_time_to_first_visible_token_seconds_bucket",
@@ -91,6 +92,13 @@ async def test_metrics_match_the_traffic(llama_fake: LlamaFake, make_proxy: Make
         sum(r.saved_prefill_ms or 0 for r in recs) / 1000
     )
     assert total(m, "prefixgate_canonical_rule_fired_total", rule="volatile_timestamps") == 3
+    attributed = [r for r in recs if r.miss_new_tokens is not None]
+    assert total(m, "prefixgate_uncached_tokens_total", **mb) == sum(
+        (r.prompt_tokens or 0) - (r.cached_tokens or 0) for r in attributed
+    )
+    assert total(m, "prefixgate_uncached_tokens_total", **mb, cause="new") == sum(
+        r.miss_new_tokens or 0 for r in attributed
+    )
 
     ttft_n = sum(r.ttft_ms is not None for r in recs)
     assert total(m, "prefixgate_time_to_first_token_seconds_count", **mb) == ttft_n

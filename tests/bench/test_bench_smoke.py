@@ -95,6 +95,9 @@ def test_cache_harness_quick_run_against_real_llama_server(tmp_path: Path) -> No
         assert summary["ok"] == summary["requests"] > 0
         assert summary["prompt_tokens"] > 0
         assert summary["cached_share"] is not None
+    misses = runs["prefixgate"]["miss_attribution"]  # every record's uncached tokens by cause
+    assert misses["requests"] == runs["prefixgate"]["requests"]
+    assert sum(misses["tokens"].values()) == misses["uncached_tokens"] > 0
 
 
 @pytest.mark.real

@@ -27,6 +27,8 @@ COUNTERS: dict[str, set[str]] = {
     "prefixgate_saved_prefill_seconds_total": {"model", "backend"},
     "prefixgate_saved_usd_total": {"model", "backend"},
     "prefixgate_canonical_rule_fired_total": {"rule"},
+    "prefixgate_uncached_tokens_total": {"model", "backend", "cause"},
+    "prefixgate_breaker_tokens_total": {"rule"},
     "prefixgate_route_decisions_total": {"backend", "reason"},
     "prefixgate_schedule_decisions_total": {"backend", "reason"},
     "prefixgate_store_failures_total": set(),

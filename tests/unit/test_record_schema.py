@@ -48,6 +48,13 @@ def full_record() -> RequestRecord:
         schedule_reason="slot_hit",
         held_ms=0.0,
         slot=1,
+        miss_new_tokens=20,
+        miss_breaker_tokens=10,
+        miss_breaker_rules=["volatile_timestamps"],
+        miss_routing_tokens=4,
+        miss_routing_why="load_gate",
+        miss_evicted_tokens=2,
+        miss_unexplained_tokens=0,
     )
 
 

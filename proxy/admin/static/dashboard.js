@@ -16,6 +16,13 @@
     good: "var(--good)", bad: "var(--bad)", neutral: "var(--neutral)",
     cached: "var(--cached)", computed: "var(--computed)",
   };
+  const CAUSES = [
+    ["new", "new", "var(--miss-new)"],
+    ["breaker", "breaker", "var(--miss-breaker)"],
+    ["routing", "routing", "var(--miss-routing)"],
+    ["evicted", "evicted", "var(--miss-evicted)"],
+    ["unexplained", "unexplained", "var(--miss-unexplained)"],
+  ];
 
   const params = new URLSearchParams(location.search);
   const state = {
@@ -561,6 +568,66 @@
     barList(box, sorted(totals.routes), reqs, COLORS.p50, "No routing decision recorded in this window.", "data-route");
   }
 
+  function missRow(name, m, attrs) {
+    const prompt = m.prompt_tokens || 0;
+    const parts = [["cached", "served from cache", COLORS.cached, m.cached_tokens || 0]];
+    for (const [key, label, color] of CAUSES) parts.push([key, label, color, (m.tokens || {})[key] || 0]);
+    const stack = el("div", { class: "stack" });
+    for (const [key, label, color, n] of parts) {
+      if (!n || !prompt) continue;
+      const seg = el("span", { "data-cause": key, style: { width: (100 * n) / prompt + "%", background: color } });
+      seg.addEventListener("mousemove", (evt) => showTooltip(evt, name, [[label, compact(n) + " tokens · " + pct(n / prompt)]]));
+      seg.addEventListener("mouseleave", hideTooltip);
+      stack.appendChild(seg);
+    }
+    return el("div", Object.assign({ class: "miss-row" }, attrs),
+      el("span", { class: "name", title: name, text: name }), stack,
+      el("span", { class: "n", text: compact(prompt) + " tok" }));
+  }
+
+  function missFixes(m) {
+    const out = [];
+    const t = m.tokens || {};
+    const u = m.uncached_tokens || 0;
+    const share = (n) => (u ? " (" + pct(n / u) + " of uncached)" : "");
+    const rules = Object.entries(m.breaker_rules || {}).sort((a, b) => b[1] - a[1]);
+    if (t.breaker) out.push("breaker" + share(t.breaker) + ": turn on " + rules.map(([r]) => r).join(", ") + " (out of dry-run).");
+    const why = Object.entries(m.routing_why || {}).sort((a, b) => b[1] - a[1]);
+    if (t.routing) out.push("routing" + share(t.routing) + ": passed over for " + why.map(([w, n]) => w.replace(/_/g, " ") + " " + compact(n)).join(", ") + "; prefix-affinity routing, or a higher load-gate ratio, keeps a conversation where it is cached.");
+    if (t.evicted) out.push("evicted" + share(t.evicted) + ": the replicas' caches are too small for this traffic: more slots or cache memory, or more replicas.");
+    if (t.unexplained) out.push("unexplained" + share(t.unexplained) + ": the prefix index did not answer, or the backend served slightly less than predicted.");
+    if (t.new && !out.length) out.push("new" + share(t.new) + ": nothing earlier shared these tokens; no setting would have cached them.");
+    return out;
+  }
+
+  function renderMisses(data) {
+    const box = $("misses");
+    clear(box);
+    const total = (data.totals || {}).misses || {};
+    if (!total.requests) {
+      box.appendChild(el("p", { class: "muted", text: "No request with backend-reported cached tokens in this window." }));
+      return;
+    }
+    const legend = el("div", { class: "misses-legend" });
+    const u = total.uncached_tokens || 0;
+    legend.appendChild(el("span", { class: "key" }, el("i", { class: "swatch", style: { background: COLORS.cached } }),
+      "served from cache " + compact(total.cached_tokens || 0)));
+    for (const [key, label, color] of CAUSES) {
+      const n = (total.tokens || {})[key] || 0;
+      legend.appendChild(el("span", { class: "key", "data-cause": key }, el("i", { class: "swatch", style: { background: color } }),
+        label + " " + compact(n) + (u ? " · " + pct(n / u) : "")));
+    }
+    box.appendChild(legend);
+    box.appendChild(missRow("all traffic", total, { "data-row": "all" }));
+    const by = data.by_backend || {};
+    for (const url of Object.keys(by).sort()) {
+      const m = by[url].misses || {};
+      if (m.requests) box.appendChild(missRow(url, m, { "data-row": url }));
+    }
+    const fixes = missFixes(total);
+    if (fixes.length) box.appendChild(el("ul", { class: "miss-fixes" }, ...fixes.map((f) => el("li", { text: f }))));
+  }
+
   // ---- charts -----------------------------------------------------------------------------
   const pctAxis = (v) => Math.round(v * 100) + " %";
   const msAxis = (v) => ms(v);
@@ -687,6 +754,7 @@
       renderBackends(data);
       renderPrefixes(data);
       renderRules(data);
+      renderMisses(data);
       renderControl(data);
     }
     const store = data.store || {};
