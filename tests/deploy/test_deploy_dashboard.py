@@ -32,6 +32,12 @@ COUNTERS: dict[str, set[str]] = {
     "prefixgate_route_decisions_total": {"backend", "reason"},
     "prefixgate_schedule_decisions_total": {"backend", "reason"},
     "prefixgate_store_failures_total": set(),
+    # The control group (--control-share): exported with no samples when it is off.
+    "prefixgate_control_group_requests_total": {"group"},
+    "prefixgate_control_group_prompt_tokens_total": {"group"},
+    "prefixgate_control_group_cached_tokens_total": {"group"},
+    "prefixgate_control_group_slo_met_total": {"group"},
+    "prefixgate_control_group_slo_evaluated_total": {"group"},
 }
 HISTOGRAMS: dict[str, set[str]] = {
     "prefixgate_time_to_first_token_seconds": {"model", "backend"},
@@ -41,6 +47,7 @@ HISTOGRAMS: dict[str, set[str]] = {
     "prefixgate_proxy_overhead_seconds": set(),
     "prefixgate_held_seconds": {"backend"},
     "prefixgate_gen_ai_token_usage": {"token_type", "model"},
+    "prefixgate_control_group_time_to_first_token_seconds": {"group"},
 }
 GAUGES: dict[str, set[str]] = {
     "prefixgate_store_degraded": set(),
