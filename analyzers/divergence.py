@@ -28,9 +28,9 @@ from analyzers.spans import (
     RULE_WHITESPACE,
     SpanKind,
     classify,
-    first_difference,
     resync,
 )
+from proxy.canonical.spans import common_run as first_difference
 from proxy.fingerprint import Rendered, render
 
 MAX_SPANS = 8

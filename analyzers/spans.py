@@ -50,28 +50,6 @@ _BLANK = frozenset(b" \t\r\n")
 _TOKEN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:+-/")
 
 
-def first_difference(a: bytes, i: int, b: bytes, j: int) -> int:
-    """Length of the common run of ``a[i:]`` and ``b[j:]``."""
-    n = min(len(a) - i, len(b) - j)
-    if n <= 0:
-        return 0
-    done, step = 0, 64
-    while done < n:  # gallop with growing chunks, then bisect the first unequal one
-        size = min(step, n - done)
-        if a[i + done : i + done + size] != b[j + done : j + done + size]:
-            lo, hi = 0, size - 1  # common length within this chunk lies in [lo, hi]
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                if a[i + done : i + done + mid] == b[j + done : j + done + mid]:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            return done + lo
-        done += size
-        step = min(step * 2, 1 << 16)
-    return n
-
-
 def resync(a: bytes, i: int, b: bytes, j: int) -> tuple[int, int] | None:
     """Offsets after a short difference where ``a`` and ``b`` agree again, or None.
 

@@ -32,7 +32,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any
+from typing import Any, AnyStr
 
 import xxhash
 
@@ -125,14 +125,18 @@ class SpanPattern:
         return f"{self.left}⟨{self.value_class}⟩{self.right}{'⏎' if self.eol else ''}"
 
 
-def _common_prefix(a: str, b: str, i: int, j: int) -> int:
-    """Length of the common run of ``a[i:]`` and ``b[j:]`` (galloping slice comparisons)."""
+def common_run(a: AnyStr, i: int, b: AnyStr, j: int) -> int:
+    """Length of the common run of ``a[i:]`` and ``b[j:]`` (text or bytes): slices compared in
+    growing chunks, then the first unequal chunk bisected, so no Python step per character.
+    The analyzer's span finder uses it too."""
     n = min(len(a) - i, len(b) - j)
+    if n <= 0:
+        return 0
     done, step = 0, 64
     while done < n:
         size = min(step, n - done)
         if a[i + done : i + done + size] != b[j + done : j + done + size]:
-            lo, hi = 0, size - 1
+            lo, hi = 0, size - 1  # the common length within this chunk lies in [lo, hi]
             while lo < hi:
                 mid = (lo + hi + 1) >> 1
                 if a[i + done : i + done + mid] == b[j + done : j + done + mid]:
@@ -193,7 +197,7 @@ def _refine(a: str, b: str, span: tuple[int, int, int, int]) -> list[tuple[int, 
         if not same:
             return [span]  # two differing words in a row: words of a sentence, not values
         same = False
-        head = _common_prefix(a, b, sa, sb)
+        head = common_run(a, sa, b, sb)
         head = min(head, ea - sa, eb - sb)
         tail = 0
         while tail < min(ea - sa, eb - sb) - head and a[ea - tail - 1] == b[eb - tail - 1]:
@@ -208,7 +212,7 @@ def template_spans(a: str, b: str) -> list[tuple[int, int, int, int]] | None:
     if a == b:
         return None
     spans: list[tuple[int, int, int, int]] = []
-    i = j = _common_prefix(a, b, 0, 0)
+    i = j = common_run(a, 0, b, 0)
     differing = 0
     while i < len(a) or j < len(b):
         if len(spans) == MAX_SPANS:
@@ -219,7 +223,7 @@ def template_spans(a: str, b: str) -> list[tuple[int, int, int, int]] | None:
         a_end, b_end = found
         spans += _refine(a, b, (i, a_end, j, b_end))
         differing += max(a_end - i, b_end - j)
-        run = _common_prefix(a, b, a_end, b_end)
+        run = common_run(a, a_end, b, b_end)
         i, j = a_end + run, b_end + run
     agreed = len(b) - sum(hi - lo for _, _, lo, hi in spans)
     if len(spans) > MAX_SPANS or agreed < MIN_AGREEMENT * differing or agreed < LEFT_ANCHOR:

@@ -12,28 +12,21 @@ previous turn's prompt is a prefix of this turn's, which the server reports cach
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import re
 from collections.abc import AsyncIterator, Iterator
 from itertools import pairwise
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
-from proxy.app import build_app
-from proxy.config import resolve
-from proxy.log import get_logger
-from proxy.records import RecordWriter, RequestRecord
+from proxy.records import RequestRecord
 from tests.integration.llama import running_llama_server
+from tests.integration.tools_template import FLAGS, Proxy, proxied, rendered
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 
 CHAT = "/v1/chat/completions"
-TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "templates" / "chatml-tools.jinja"
-FLAGS = ("--jinja", "--chat-template-file", str(TEMPLATE))
 BUILDS = ["7f3a-19", "8c21-04", "91ab-77", "0d0e-11", "aa12-93", "5b5b-20"]
 TOOLS = [
     {
@@ -79,35 +72,11 @@ def tools_llama() -> Iterator[str]:
         yield url
 
 
-@dataclasses.dataclass
-class Proxy:
-    url: str
-    records: list[RequestRecord]
-
-
 @pytest.fixture
 async def proxy(tools_llama: str) -> AsyncIterator[Proxy]:
     """prefixgate with its defaults in front of it, logging the bodies it forwards."""
-    records: list[RequestRecord] = []
-    writer = RecordWriter(logger=get_logger("test.records"))
-    writer.add_sink(records.append)
-    settings = resolve({"backend": [tools_llama]}, environ={})
-    app = build_app(dataclasses.replace(settings, log_prompts=True), writer=writer)
-    server = TestServer(app)
-    await server.start_server()
-    try:
-        yield Proxy(url=str(server.make_url("")).rstrip("/"), records=records)
-    finally:
-        await server.close()
-
-
-async def rendered(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
-    """The prompt the server's template makes of ``body``."""
-    async with session.post(url + "/apply-template", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        prompt = (await resp.json())["prompt"]
-    assert isinstance(prompt, str)
-    return prompt
+    async with proxied(tools_llama) as running:
+        yield running
 
 
 async def send(session: aiohttp.ClientSession, proxy: Proxy, body: dict[str, Any]) -> Any:

@@ -13,8 +13,9 @@ import planted  # the known-answer input builders
 
 from analyzers import analyze
 from analyzers.breakers import UNKNOWN_RULE
-from analyzers.spans import RULE_NOTE, classify, first_difference, resync, suggest_pattern
+from analyzers.spans import RULE_NOTE, classify, resync, suggest_pattern
 from proxy.canonical import Canonicalizer
+from proxy.canonical.spans import common_run as first_difference
 
 
 def write_log(tmp_path: Path, bodies: list[dict[str, object]], *, with_body: bool) -> Path:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from analyzers.spans import RULE_TIMESTAMPS, classify, first_difference, resync
+from analyzers.spans import RULE_TIMESTAMPS, classify, resync
 from proxy.canonical import Canonicalizer
+from proxy.canonical.spans import common_run as first_difference
 
 
 def _kind(a: bytes, b: bytes) -> str:

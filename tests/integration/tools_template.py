@@ -1,0 +1,52 @@
+"""What the tests of what the model sees share: the tools template, prefixgate in front of a
+server that prints tools and tool calls, and the server's own rendering of a request."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp.test_utils import TestServer
+
+from proxy.app import build_app
+from proxy.config import resolve
+from proxy.log import get_logger
+from proxy.records import RecordWriter, RequestRecord
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "templates" / "chatml-tools.jinja"
+FLAGS = ("--jinja", "--chat-template-file", str(TEMPLATE))
+
+
+@dataclasses.dataclass
+class Proxy:
+    url: str
+    records: list[RequestRecord]
+
+
+@asynccontextmanager
+async def proxied(backend: str) -> AsyncIterator[Proxy]:
+    """prefixgate with its defaults in front of ``backend``, logging the bodies it forwards."""
+    records: list[RequestRecord] = []
+    writer = RecordWriter(logger=get_logger("test.records"))
+    writer.add_sink(records.append)
+    settings = resolve({"backend": [backend]}, environ={})
+    app = build_app(dataclasses.replace(settings, log_prompts=True), writer=writer)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        yield Proxy(url=str(server.make_url("")).rstrip("/"), records=records)
+    finally:
+        await server.close()
+
+
+async def rendered(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
+    """The prompt the server's template makes of ``body``."""
+    async with session.post(url + "/apply-template", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        prompt = (await resp.json())["prompt"]
+    assert isinstance(prompt, str)
+    return prompt
