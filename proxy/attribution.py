@@ -44,8 +44,10 @@ from proxy.routing import (
     LEAST_LOADED_REASON,
     LOAD_GATE,
     MISS,
+    RETRY_REASON,
     ROUND_ROBIN_REASON,
 )
+from proxy.scheduling.slot_state import SLOT_BUSY, SLOT_FOREIGN, SLOT_PARALLEL
 
 if TYPE_CHECKING:
     from proxy.exchange import Exchange
@@ -88,10 +90,10 @@ _WHY_OF_REASON = {
     LEAST_LOADED_REASON: WHY_LEAST_LOADED,
     MISS: WHY_MIN_AFFINITY,
     KEY_AFFINITY: WHY_AFFINITY_KEY,
-    "retry": WHY_RETRY,
+    RETRY_REASON: WHY_RETRY,
 }
 # Scheduler decisions that put a request on a slot other than the one holding its prefix.
-SLOT_PASSED_OVER = frozenset({"slot_busy", "slot_foreign", "slot_parallel"})
+SLOT_PASSED_OVER = frozenset({SLOT_BUSY, SLOT_FOREIGN, SLOT_PARALLEL})
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,7 @@ from proxy.relay import (
     relay_passthrough,
     send_answer,
 )
-from proxy.routing import Decision
+from proxy.routing import RETRY_REASON, Decision
 from proxy.scheduling import Ticket
 from proxy.state import REQUEST_ID, STATE, T_START, TENANT, ProxyState, proxy_state
 from proxy.store import DEFAULT_NAMESPACE
@@ -57,7 +57,6 @@ from proxy.validation import parse_object, read_body, validate_inference
 
 log = get_logger()
 
-RETRY_REASON = "retry"  # route reason of a request served by a second replica
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 # Paths served as inference, and the route (dialect and fingerprint vocabulary) each one is.

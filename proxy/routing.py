@@ -55,6 +55,7 @@ SINGLE = "single"
 AFFINITY = "affinity"
 KEY_AFFINITY = "key_affinity"
 MISS = "miss"
+RETRY_REASON = "retry"  # route reason of a request served by a second replica
 LOAD_GATE = "load_gate"
 ROUND_ROBIN_REASON = "round_robin"
 LEAST_LOADED_REASON = "least_loaded"

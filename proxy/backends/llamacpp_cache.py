@@ -61,8 +61,8 @@ runs on inside a segment ends somewhere in the block after the last one both sha
 from __future__ import annotations
 
 import math
-from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from proxy.fingerprint import Fingerprint, common_blocks
@@ -258,104 +258,6 @@ class TokenCounter:
                 self.answer_reuse += 0.3 * (seen - self.answer_reuse)
         elif shared.key is not None and measured > 0:
             self.boundaries.learn(shared.key, measured)
-
-
-class RecentPrompts:
-    """The latest prompts sent (at most ``maxlen``), and which of them a new prompt continues.
-
-    ``continued_by`` answers what scanning them newest first with ``TokenCounter.shared(...)
-    .continues`` answers, with dictionary lookups instead of a comparison per prompt: a prompt
-    continues a state when its hash at the state's last segment (or, without segments on both
-    sides, its last block) is the state's own, so each state is indexed under that length and
-    hash, and a query probes only the lengths the remembered states have.
-    """
-
-    def __init__(self, maxlen: int) -> None:
-        self._maxlen = maxlen
-        self._items: deque[tuple[int, CachedPrompt]] = deque()
-        self._seq = 0
-        self._by_segment: dict[tuple[int, int], list[tuple[int, CachedPrompt]]] = {}
-        self._by_block: dict[tuple[int, int], list[tuple[int, CachedPrompt]]] = {}
-        self._segment_lengths: Counter[int] = Counter()
-        self._block_lengths: Counter[int] = Counter()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self) -> Iterator[CachedPrompt]:
-        return (state for _, state in self._items)
-
-    @staticmethod
-    def _keys(state: CachedPrompt) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-        fp = state.fp
-        seg = (len(fp.segment_hashes), fp.segment_hashes[-1]) if fp and fp.segment_hashes else None
-        block = (len(state.hashes), state.hashes[-1]) if state.hashes else None
-        return seg, block
-
-    def append(self, state: CachedPrompt) -> None:
-        if len(self._items) >= self._maxlen:
-            self._forget(*self._items.popleft())
-        self._seq += 1
-        item = (self._seq, state)
-        self._items.append(item)
-        seg, block = self._keys(state)
-        if seg is not None:
-            self._by_segment.setdefault(seg, []).append(item)
-            self._segment_lengths[seg[0]] += 1
-        if block is not None:
-            self._by_block.setdefault(block, []).append(item)
-            self._block_lengths[block[0]] += 1
-
-    def _forget(self, seq: int, state: CachedPrompt) -> None:
-        seg, block = self._keys(state)
-        for index, key, lengths in (
-            (self._by_segment, seg, self._segment_lengths),
-            (self._by_block, block, self._block_lengths),
-        ):
-            if key is None:
-                continue
-            bucket = index.get(key)
-            if bucket is not None:
-                bucket[:] = [item for item in bucket if item[0] != seq]
-                if not bucket:
-                    del index[key]
-            lengths[key[0]] -= 1
-            if lengths[key[0]] <= 0:
-                del lengths[key[0]]
-
-    def continued_by(
-        self, query: PromptQuery, exclude: CachedPrompt | None = None
-    ) -> CachedPrompt | None:
-        """The newest remembered state ``query`` continues (``exclude`` aside), if any."""
-        best: tuple[int, CachedPrompt] | None = None
-
-        def consider(bucket: list[tuple[int, CachedPrompt]] | None, segmented: bool | None) -> None:
-            nonlocal best
-            for item in reversed(bucket or ()):  # newest first
-                if best is not None and item[0] < best[0]:
-                    return
-                state = item[1]
-                if state is exclude:
-                    continue
-                has_segments = state.fp is not None and bool(state.fp.segment_hashes)
-                if segmented is None or has_segments == segmented:
-                    best = item
-                    return
-
-        qfp = query.fp
-        if qfp is not None and qfp.segment_hashes:
-            hashes = qfp.segment_hashes
-            for n in self._segment_lengths:
-                if 0 < n < len(hashes):
-                    consider(self._by_segment.get((n, hashes[n - 1])), True)
-            segmented: bool | None = False  # states without segments compare by blocks
-        else:
-            segmented = None  # every state compares by blocks
-        hashes = query.hashes
-        for n in self._block_lengths:
-            if 0 < n < len(hashes):
-                consider(self._by_block.get((n, hashes[n - 1])), segmented)
-        return best[1] if best is not None else None
 
 
 @dataclass(slots=True)

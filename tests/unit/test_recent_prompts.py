@@ -5,8 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.backends.llamacpp_cache import CachedPrompt, PromptQuery, RecentPrompts, TokenCounter
+from proxy.backends.llamacpp_cache import CachedPrompt, PromptQuery, TokenCounter
 from proxy.fingerprint import fingerprint
+from proxy.scheduling.slot_state import RecentPrompts
 
 TEXTS = ["system rules " * 30, "hello", "tool result " * 40, "answer " * 25, "more please"]
 
