@@ -282,17 +282,6 @@ def chat_loop_bodies(
     return bodies
 
 
-def chat_loop(volatile: str) -> Workload:
-    """A driver sending ``chat_loop_bodies(scale, volatile)`` one after another."""
-
-    async def run(send: Send, scale: Scale) -> None:
-        for body in chat_loop_bodies(scale, volatile):
-            await send(body)
-
-    run.__name__ = f"chat_{volatile}"
-    return run
-
-
 def learned_bodies(scale: Scale, volatile: str, *, apps: bool) -> list[dict[str, Any]]:
     """``chat_learned``: one chat loop of ``scale.learned_turns`` turns whose system prompt
     carries two values no detector knows; ``chat_learned_apps``: ``scale.learned_conversations``
@@ -301,17 +290,6 @@ def learned_bodies(scale: Scale, volatile: str, *, apps: bool) -> list[dict[str,
     if apps:
         return chat_loop_bodies(scale, volatile, conversations=scale.learned_conversations)
     return chat_loop_bodies(scale, volatile, turns=scale.learned_turns)
-
-
-def learned_loop(apps: bool) -> Workload:
-    """A driver sending ``learned_bodies`` one after another."""
-
-    async def run(send: Send, scale: Scale) -> None:
-        for body in learned_bodies(scale, "learned", apps=apps):
-            await send(body)
-
-    run.__name__ = "chat_learned_apps" if apps else "chat_learned"
-    return run
 
 
 async def rag(send: Send, scale: Scale) -> None:
@@ -458,14 +436,14 @@ def fleet_bodies(
     return bodies
 
 
-def fleet_workload(volatile: str) -> Workload:
-    """A driver sending ``fleet_bodies(scale, volatile)`` one after another."""
+def in_order(name: str, bodies: Callable[[Scale], list[dict[str, Any]]]) -> Workload:
+    """A driver sending ``bodies(scale)`` one after another."""
 
     async def run(send: Send, scale: Scale) -> None:
-        for body in fleet_bodies(scale, volatile):
+        for body in bodies(scale):
             await send(body)
 
-    run.__name__ = f"fleet_{volatile}"
+    run.__name__ = name
     return run
 
 
@@ -475,12 +453,14 @@ WORKLOADS: dict[str, Workload] = {
     "agent_loop": agent_loop,
     "rag": rag,
     "claude_code": claude_code,
-    "fleet_fixed": fleet_workload("fixed"),
-    "fleet_clock": fleet_workload("clock"),
-    "chat_clock_id": chat_loop("clock_id"),
-    "chat_epoch": chat_loop("epoch"),
-    "chat_learned": learned_loop(apps=False),
-    "chat_learned_apps": learned_loop(apps=True),
+    "fleet_fixed": in_order("fleet_fixed", lambda s: fleet_bodies(s, "fixed")),
+    "fleet_clock": in_order("fleet_clock", lambda s: fleet_bodies(s, "clock")),
+    "chat_clock_id": in_order("chat_clock_id", lambda s: chat_loop_bodies(s, "clock_id")),
+    "chat_epoch": in_order("chat_epoch", lambda s: chat_loop_bodies(s, "epoch")),
+    "chat_learned": in_order("chat_learned", lambda s: learned_bodies(s, "learned", apps=False)),
+    "chat_learned_apps": in_order(
+        "chat_learned_apps", lambda s: learned_bodies(s, "learned", apps=True)
+    ),
 }
 
 # The requests of each workload's ceiling (the same conversations with nothing volatile), for
