@@ -14,6 +14,7 @@ from proxy.config import resolve
 from proxy.log import get_logger
 from proxy.records import RecordWriter, RequestRecord
 from tests.integration.llama import running_llama_server
+from tests.integration.tools_template import FLAGS, Proxy, proxied
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +22,20 @@ def llama_url() -> Iterator[str]:
     """One real llama-server (SmolLM2, 2 slots) for the whole session."""
     with running_llama_server(slots=2, ctx=8192) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def tools_llama() -> Iterator[str]:
+    """One llama-server printing tools and tool calls (one slot: answers comparable)."""
+    with running_llama_server(slots=1, ctx=4096, extra=FLAGS) as url:
+        yield url
+
+
+@pytest.fixture
+async def proxy(tools_llama: str) -> AsyncIterator[Proxy]:
+    """prefixgate with its defaults in front of ``tools_llama``, logging the bodies it forwards."""
+    async with proxied(tools_llama) as running:
+        yield running
 
 
 @dataclasses.dataclass

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 
 from proxy.canonical import Canonicalizer
-from tests.integration.llama import running_llama_server
-from tests.integration.tools_template import FLAGS, Proxy, proxied, rendered
+from tests.integration.tools_template import Proxy, rendered
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 
@@ -84,20 +82,6 @@ def shuffled(obj: Any, rng: random.Random) -> Any:
     if isinstance(obj, list):
         return [shuffled(v, rng) for v in obj]
     return obj
-
-
-@pytest.fixture(scope="module")
-def tools_llama() -> Iterator[str]:
-    """One llama-server printing tools and tool calls (one slot: answers comparable)."""
-    with running_llama_server(slots=1, ctx=4096, extra=FLAGS) as url:
-        yield url
-
-
-@pytest.fixture
-async def proxy(tools_llama: str) -> AsyncIterator[Proxy]:
-    """prefixgate with its defaults in front of it, logging the bodies it forwards."""
-    async with proxied(tools_llama) as running:
-        yield running
 
 
 async def answer(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:

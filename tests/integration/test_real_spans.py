@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Iterator
 from itertools import pairwise
 from typing import Any
 
@@ -21,8 +20,7 @@ import aiohttp
 import pytest
 
 from proxy.records import RequestRecord
-from tests.integration.llama import running_llama_server
-from tests.integration.tools_template import FLAGS, Proxy, proxied, rendered
+from tests.integration.tools_template import Proxy, rendered
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 
@@ -63,20 +61,6 @@ def turn_body(n: int, *, volatile: bool = True) -> dict[str, Any]:
         "max_tokens": 4,
         "temperature": 0,
     }
-
-
-@pytest.fixture(scope="module")
-def tools_llama() -> Iterator[str]:
-    """One llama-server printing tools and tool calls (one slot: answers comparable)."""
-    with running_llama_server(slots=1, ctx=4096, extra=FLAGS) as url:
-        yield url
-
-
-@pytest.fixture
-async def proxy(tools_llama: str) -> AsyncIterator[Proxy]:
-    """prefixgate with its defaults in front of it, logging the bodies it forwards."""
-    async with proxied(tools_llama) as running:
-        yield running
 
 
 async def send(session: aiohttp.ClientSession, proxy: Proxy, body: dict[str, Any]) -> Any:
