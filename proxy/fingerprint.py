@@ -10,6 +10,9 @@ string, cut into fixed-size blocks and hashed as a chain::
 so two requests (same model, same salt) share their first k block hashes exactly when their
 rendered bytes agree on the first k blocks. The trailing partial block is not hashed: it is
 the part most likely to change on the next turn, and a partial block cannot be matched anyway.
+The last ~1 KB of the bytes is kept on the fingerprint (``tail``, in memory only: never
+logged, stored or shown) so that the slot model can find the exact byte where a next turn
+parts from a prompt.
 The salt (tenant / ``cache_salt``) and the model seed the chain, so tenants and models never
 share an index entry.
 
@@ -47,7 +50,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Container, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
 import orjson
@@ -58,6 +61,7 @@ from proxy.deep_json import deep_json
 K = TypeVar("K", bound=Hashable)
 
 DEFAULT_BLOCK_BYTES = 256
+TAIL_BLOCKS = 4  # full blocks kept as bytes before the partial one (``Fingerprint.tail``)
 
 # One reserved byte marks all structure, so escaping text costs a single memchr scan:
 # in rendered text it is doubled, and every separator is the reserved byte plus a tag byte.
@@ -111,6 +115,11 @@ class Fingerprint:
     segment_hashes: tuple[int, ...]
     anchor: int
     stable_bytes: int
+    tail: bytes = field(default=b"", repr=False)
+    """The prompt's last bytes from a block boundary: the trailing partial block and up to
+    ``TAIL_BLOCKS`` full blocks before it. A conversation's next turn most often parts from
+    this prompt there, and a later request finds the exact byte it parts at
+    (``llamacpp_cache.TokenCounter``). It starts at ``total_bytes - len(tail)``."""
 
     def segment_ends(self) -> tuple[int, ...]:
         """The end offset (exclusive) of every segment."""
@@ -400,10 +409,22 @@ def fingerprint(
     salt: str = "",
 ) -> Fingerprint:
     """Fingerprint one request: its block hash chain, segment hashes and anchor."""
+    return fingerprint_with_data(route, body, block_bytes=block_bytes, salt=salt)[0]
+
+
+def fingerprint_with_data(
+    route: str,
+    body: Mapping[str, Any],
+    *,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    salt: str = "",
+) -> tuple[Fingerprint, bytes]:
+    """``fingerprint``, and the rendered bytes it hashed (for the request's own lifetime)."""
     rendered = render(route, body)
-    return fingerprint_rendered(
+    fp = fingerprint_rendered(
         rendered, seed=chain_seed(_model_name(body), salt), block_bytes=block_bytes
     )
+    return fp, rendered.data
 
 
 def fingerprint_rendered(
@@ -429,14 +450,16 @@ def fingerprint_rendered(
         stable += 1
     stable_bytes = ends[stable - 1] if stable else 0
     anchor = segment_hashes[stable - 1] if stable else seed
+    blocks = block_chain(data, seed, block_bytes)
     return Fingerprint(
-        block_hashes=block_chain(data, seed, block_bytes),
+        block_hashes=blocks,
         block_bytes=block_bytes,
         total_bytes=len(data),
         segments=segments,
         segment_hashes=tuple(segment_hashes),
         anchor=anchor,
         stable_bytes=stable_bytes,
+        tail=data[max(len(blocks) - TAIL_BLOCKS, 0) * block_bytes :],
     )
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.fingerprint import Fingerprint, common_blocks, fingerprint
+from proxy.fingerprint import Fingerprint, common_blocks, fingerprint_with_data
 from proxy.records import RequestRecord
 from proxy.routing import TRAFFIC_MAX_BLOCKS, RoutingConfig, TrafficDepth, route_key
 from proxy.store import DEFAULT_NAMESPACE, PrefixStore, StatsSample
@@ -50,6 +50,9 @@ class PrefixView:
     """False when the store did not answer and the numbers are this proxy's own."""
     affinity_key: int | None = None
     """The client's own conversation key, hashed (``proxy.hosted``); None when it sent none."""
+    rendered: bytes = field(default=b"", repr=False)
+    """The bytes ``fp`` hashed, kept for the request's lifetime only (the slot model compares
+    them with a slot's last prompt); never logged or stored."""
 
     def matched_for(self, replica: str) -> int:
         return self.matched_blocks.get(replica, 0)
@@ -250,7 +253,7 @@ class PrefixTracker:
         salt: str = "",
     ) -> PrefixView:
         """Fingerprint ``body``; read matches, loads and the shared depth (one round trip)."""
-        fp = fingerprint(route, body, block_bytes=self.block_bytes, salt=salt)
+        fp, rendered = fingerprint_with_data(route, body, block_bytes=self.block_bytes, salt=salt)
         hashes = fp.block_hashes
         found = await self.store.lookup(namespace, replicas, hashes)
         local = self._local_in_flight
@@ -262,6 +265,7 @@ class PrefixTracker:
             fp=fp,
             namespace=namespace,
             matched_blocks=matched,
+            rendered=rendered,
             loads=loads,
             shared_blocks=self.depth.shared_blocks(found.window_requests, found.hash_counts),
             available=found.available,

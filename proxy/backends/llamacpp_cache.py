@@ -54,8 +54,13 @@ backend's own numbers once a response reports them: a prompt that *continues* a 
 measured prompt tokens plus the share of its generated tokens that the next turn repeats
 (``answer_reuse``, learned); any other match ends at a segment or block boundary, whose token
 count is learned from the backend's measured ``cached_tokens`` the first time a request ends its
-match there (``BoundaryTokens``), and estimated from the byte count until then (a match that
-runs on inside a segment ends somewhere in the block after the last one both share: its middle).
+match there (``BoundaryTokens``), and estimated from the byte count until then. A match that runs
+on inside a segment parts somewhere in the block after the last one both share. When that block
+is among the state's last ~1 KB (``Fingerprint.tail``, where a next turn most often parts: a
+grown or edited last message) the request's own bytes give the exact byte; otherwise the block's
+middle is taken. Such a match is then counted back from the state's measured end when less of
+the state is left than shared: its measured tokens, less the text after the match, less the
+template's close of turn (``closing``, learned: 5 tokens in ChatML).
 """
 
 from __future__ import annotations
@@ -65,8 +70,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from proxy.fingerprint import Fingerprint, common_blocks
+from proxy.fingerprint import SEGMENT_END, Fingerprint, common_blocks
 
+_END_LEN = len(SEGMENT_END)
 SAVE_F_KEEP = 0.5  # get_available_slot: save and look for a better prompt below this f_keep
 LOAD_MIN_F_KEEP = 0.25  # server_prompt_cache::load: entries kept less than this are not taken
 DEFAULT_SIMILARITY = 0.10  # --slot-prompt-similarity
@@ -133,6 +139,9 @@ class PromptQuery:
     prompt_tokens: float
     tokens_per_block: float
     fp: Fingerprint | None = None
+    data: bytes = field(default=b"", repr=False)
+    """The bytes ``fp`` hashed, while the request is being placed (empty otherwise): where it
+    parts from a state inside the state's trailing partial block is then found to the byte."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +153,12 @@ class Shared:
     """The boundary the match ends at (``BoundaryTokens``), None when not a learnable one."""
     continues: bool = False
     """The request continues the whole state (a conversation's next turn)."""
+    past_key: float = 0.0
+    """Estimated tokens between ``key``'s boundary and where the match ends (a match running on
+    inside a segment): what is learned for ``key`` is the measured count less this."""
+    unshared: float | None = None
+    """Estimated tokens of the state's text after the match (counted back from the state's
+    measured end); None when the count was not taken that way."""
 
 
 class BoundaryTokens:
@@ -178,6 +193,29 @@ class BoundaryTokens:
         return len(self._tokens)
 
 
+def _parting(sfp: Fingerprint, qfp: Fingerprint, data: bytes, blocks: int) -> int | None:
+    """The byte offset where a request parts from a state, when that lies in the bytes the
+    state's fingerprint keeps (``Fingerprint.tail``: its last ~1 KB) and the request's bytes
+    are at hand; None otherwise. ``blocks``: the full blocks the two share."""
+    tail = sfp.tail
+    start = blocks * sfp.block_bytes
+    tail_start = sfp.total_bytes - len(tail)
+    if not tail or not data or start < tail_start or sfp.block_bytes != qfp.block_bytes:
+        return None
+    theirs = tail[start - tail_start :]
+    ours = data[start : start + len(theirs)]
+    lo, hi = 0, len(ours)
+    if ours == theirs[:hi]:
+        return start + hi
+    while lo < hi:  # the longest common prefix of two short byte strings, by bisection
+        mid = (lo + hi + 1) // 2
+        if ours[:mid] == theirs[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return start + lo
+
+
 def _common_segments(a: Fingerprint, b: Fingerprint) -> int:
     """Leading segments two fingerprints agree on (cumulative hashes chain like blocks)."""
     return common_blocks(a.segment_hashes, b.segment_hashes)
@@ -191,6 +229,9 @@ class TokenCounter:
     answer_reuse: float = 1.0
     """Share of a state's generated tokens the next turn repeats verbatim (1: a chat sending the
     answer back; near 0: scripted histories). Learned from continuations."""
+    closing: float | None = None
+    """Tokens a prompt ends with after its last message's text (the chat template's end of turn
+    and generation prompt: 5 in ChatML). Learned from matches counted back from a state's end."""
 
     def shared(self, state: CachedPrompt, query: PromptQuery) -> Shared:
         """Tokens of ``query`` that ``state`` holds (before the one-token cap)."""
@@ -206,24 +247,41 @@ class TokenCounter:
             blocks = common_blocks(query.hashes, state.hashes)
             seg_end = qfp.segments[segs].start if segs else 0
             block_end = blocks * qfp.block_bytes
-            if block_end > seg_end + qfp.block_bytes:  # the match runs on inside a segment
-                key: int | None = query.hashes[blocks - 1]
-                # The two differ somewhere in the next block (or the shorter one's tail): take
-                # its middle, which halves the expected error of stopping at the block's start.
+            density = query.prompt_tokens / max(qfp.total_bytes, 1)
+            if state.measured and sfp.total_bytes:
+                density = state.prompt_tokens / sfp.total_bytes
+            parts = _parting(sfp, qfp, query.data, blocks)
+            past = 0.0
+            if parts is not None and parts > seg_end:  # found to the byte, inside a segment
+                key: int | None = None
+                shared_bytes = float(parts)
+            elif parts is None and block_end > seg_end + qfp.block_bytes:
+                # The match runs on inside a segment and parts somewhere in the next block (or
+                # the shorter one's tail): take its middle, which halves the expected error of
+                # stopping at the block's start.
+                key = query.hashes[blocks - 1]
                 room = min(
                     qfp.block_bytes, qfp.total_bytes - block_end, sfp.total_bytes - block_end
                 )
                 shared_bytes = block_end + max(room, 0) / 2.0
+                past = (shared_bytes - block_end) * density
             else:
                 key = qfp.segment_hashes[segs - 1] if segs else None
                 shared_bytes = float(max(seg_end, block_end))
             learned = self.boundaries.get(key)
             if learned is not None:
-                return Shared(learned, key=key)
-            density = query.prompt_tokens / max(qfp.total_bytes, 1)
-            if state.measured and sfp.total_bytes:
-                density = state.prompt_tokens / sfp.total_bytes
-            return Shared(shared_bytes * density, key=key)
+                return Shared(learned + past, key=key, past_key=past)
+            if state.measured and shared_bytes > seg_end:
+                # Counted back from the state's measured end when less of it is left than
+                # shared: the state's text after the match, then the template's close of turn.
+                left = max(sfp.total_bytes - _END_LEN - shared_bytes, 0.0)
+                if left < shared_bytes:
+                    unshared = left * density
+                    if self.closing is not None:
+                        tokens = state.prompt_tokens - self.closing - unshared
+                        return Shared(max(tokens, 0.0), key=key, past_key=past, unshared=unshared)
+                    return Shared(shared_bytes * density, key, past_key=past, unshared=unshared)
+            return Shared(shared_bytes * density, key=key, past_key=past)
         blocks = common_blocks(query.hashes, state.hashes)
         if blocks and blocks == len(state.hashes) < len(query.hashes):
             answer = self.answer_reuse * max(state.generated - 1.0, 0.0)
@@ -256,8 +314,14 @@ class TokenCounter:
             if extra >= 1.0:
                 seen = min(max((measured - state.prompt_tokens) / extra, 0.0), 1.0)
                 self.answer_reuse += 0.3 * (seen - self.answer_reuse)
-        elif shared.key is not None and measured > 0:
-            self.boundaries.learn(shared.key, measured)
+            return
+        if shared.unshared is not None and state.measured and measured > 0:
+            seen = max(state.prompt_tokens - measured - shared.unshared, 0.0)
+            self.closing = seen if self.closing is None else self.closing + 0.5 * (
+                seen - self.closing
+            )
+        if shared.key is not None and measured > 0:
+            self.boundaries.learn(shared.key, max(measured - shared.past_key, 1.0))
 
 
 @dataclass(slots=True)

@@ -304,6 +304,7 @@ class Scheduler:
                 decode_tokens=output,
                 tokens_per_block=tokens_per_block,
                 fp=fp,
+                data=view.rendered,
             )
             ticket.slot_api = replica.dialect.capabilities.slots
             await self._pin(ticket, state, self._table(state, replica), req, body, plain=plain)

@@ -93,9 +93,13 @@ class SlotRequest:
     tokens_per_block: float
     fp: Fingerprint | None = None
     """The request's fingerprint (segment hashes: a conversation's next turn is recognised)."""
+    data: bytes = field(default=b"", repr=False)
+    """The bytes ``fp`` hashed (``PromptQuery.data``)."""
 
     def query(self) -> PromptQuery:
-        return PromptQuery(self.hashes, self.prompt_tokens, self.tokens_per_block, self.fp)
+        return PromptQuery(
+            self.hashes, self.prompt_tokens, self.tokens_per_block, self.fp, self.data
+        )
 
 
 @dataclass(slots=True, eq=False)

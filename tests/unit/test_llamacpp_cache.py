@@ -18,7 +18,7 @@ from proxy.backends.llamacpp_cache import (
     pick,
     restorable,
 )
-from proxy.fingerprint import common_blocks, fingerprint, render
+from proxy.fingerprint import common_blocks, fingerprint, fingerprint_with_data, render
 from proxy.scheduling import Rates, SlotRequest, SlotTable, SlotTask
 
 TPB = 64.0
@@ -276,3 +276,28 @@ def test_a_match_inside_a_growing_message_is_taken_to_end_mid_block() -> None:
         true = next(i for i, (a, b) in enumerate(zip(d1, d2, strict=False)) if a != b)
         errors.append(shared.tokens - true)
     assert abs(sum(errors) / len(errors)) < 64  # unbiased within a quarter block
+
+
+def test_with_the_request_bytes_a_match_inside_the_last_message_is_found_to_the_byte() -> None:
+    """With the request's own bytes at hand, the byte where it parts from a state's last ~1 KB
+    is found exactly, and the tokens are counted back from the state's measured end: once the
+    template's close of turn is learned (one measurement), the estimate is exact."""
+    counter = TokenCounter()
+    errors = []
+    for n in range(250, 330):
+        head = "w" * n * 5
+        first = {"model": "m", "messages": [{"role": "user", "content": head + " tail words"}]}
+        grown = {"model": "m", "messages": [{"role": "user", "content": head + " more " * 40}]}
+        fp1, d1 = fingerprint_with_data("/v1/chat/completions", first, block_bytes=256)
+        fp2, d2 = fingerprint_with_data("/v1/chat/completions", grown, block_bytes=256)
+        assert len(fp1.tail) < 5 * 256 and d1.endswith(fp1.tail)
+        held = CachedPrompt(hashes=fp1.block_hashes, prompt_tokens=float(fp1.total_bytes), fp=fp1)
+        held.measure(fp1.total_bytes, 0)  # one token a byte: tokens read as bytes
+        q = PromptQuery(fp2.block_hashes, float(fp2.total_bytes), 256.0, fp2, d2)
+        true = next(i for i, (a, b) in enumerate(zip(d1, d2, strict=False)) if a != b)
+        shared = counter.shared(held, q)
+        assert shared.unshared is not None and not shared.continues
+        errors.append(abs(shared.tokens - true))
+        counter.learn(shared, held, measured=float(true), prompt=q.prompt_tokens)
+    assert counter.closing == 2.0  # the rendered close of a segment, in these byte "tokens"
+    assert max(errors[1:]) < 1e-9
