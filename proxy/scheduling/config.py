@@ -12,6 +12,10 @@ servers): a request whose prefix an in-flight request is prefilling right now wa
 ``fanout`` (llama.cpp started with ``--slot-save-path``): a hot prefix held by a busy slot is copied
 into an idle slot (``POST /slots/{id}?action=save`` then ``?action=restore``) so the requests that
 share it decode in parallel.
+
+``slot_copy`` (the same server flag, on by default): the slot a request takes is first seeded
+with a copy of an idle slot holding more of its prefix (a new conversation's shared system
+prompt), so neither that slot's history is overwritten nor the prefix recomputed.
 """
 
 from __future__ import annotations
@@ -52,8 +56,17 @@ class SchedulingConfig:
         cast=to_bool,
         metavar="on|off",
     )
+    slot_copy: bool = option(
+        True,
+        "llama.cpp with --slot-save-path: when the slot a request takes would recompute a "
+        "prefix another idle slot holds, copy that slot into it first (when the copy costs "
+        "under half the prefill it saves); a server without a save path turns it off",
+        cast=to_bool,
+        metavar="on|off",
+    )
     min_prefix_tokens: int = 256
-    """A shared prefix shorter than this is not worth a wait (coalescing) or a copy (fan-out)."""
+    """A shared prefix shorter than this is not worth a wait (coalescing) or a copy (fan-out,
+    seeding)."""
     slots_poll_s: float = 2.0
     """How often ``GET /slots`` is read on a llama.cpp replica the proxy pins (0: never)."""
     foreign_backoff_s: float = 60.0

@@ -1,4 +1,4 @@
-"""Fan-out: copying a slot that holds a hot prefix into idle slots (llama.cpp ``--slot-save-path``).
+"""Copies of a slot (llama.cpp ``--slot-save-path``): fan-out, and seeding the slot a request takes.
 
 Requests pinned behind the slot that holds their prefix decode one after another. With fan-out
 they wait instead for that slot's running request to end, then one takes the slot and the others
@@ -10,6 +10,19 @@ requests: the request that takes the holder saves it first when others are waiti
 copy is only restored from a snapshot of exactly the content wanted. Each slot's snapshot goes to
 one file (``prefixgate-slot{N}.bin`` in the server's save path), overwritten by its next snapshot,
 so the files never outnumber the slots.
+
+Seeding (``slot_copy``, on by default; nothing happens on a server without a save path, which
+refuses the first save): the slot a request is placed on would recompute a prefix that another
+*idle* slot holds, typically a new conversation's shared system prompt and tools while the slot
+holding them keeps another conversation's history. Pinning onto the holder would overwrite that
+history, which the server never saves on a pinned launch, and a server's RAM cache holds an idle
+slot only after a *later* launch has saved it, so the first time round nothing else can give
+that prefix back. The holder is copied into the request's slot first (save, then restore), and
+the request then runs there from the copy (``slot_copy``). Only a slot whose own content is
+nothing, or is already in the server's RAM cache, is overwritten, and only when the copy is
+expected to cost under half the prefill it saves: a copy's time per token is measured on each
+copy (the KV cache of a large model on a fast accelerator can take longer to write and read back
+than to recompute).
 """
 
 from __future__ import annotations
@@ -19,10 +32,12 @@ from dataclasses import dataclass, field
 
 from proxy.backends.slot_api import SlotEndpoint
 from proxy.records import monotonic
+from proxy.scheduling.rates import Rates
 from proxy.scheduling.slots import (
     SLOT_FANOUT,
     SLOT_HIT,
     SLOT_PLACE,
+    SLOT_QUEUE,
     Slot,
     SlotChoice,
     SlotRequest,
@@ -31,6 +46,8 @@ from proxy.scheduling.slots import (
 )
 
 SNAPSHOT_FILE = "prefixgate-slot{slot}.bin"
+COPY_S_PER_TOKEN = 5e-5  # before any copy is measured: 50 µs a token (a small model on a CPU)
+COPY_MAX_COST = 0.5  # a seeding copy must cost under this share of the prefill it saves
 
 
 @dataclass(slots=True)
@@ -41,6 +58,84 @@ class FanOut:
     """Per slot, the content its snapshot file holds."""
     waiting: dict[int, int] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    copy_s_per_token: float = COPY_S_PER_TOKEN
+    """Seconds a seeding copy (save and restore) takes per token copied, as measured."""
+    copies: int = 0
+    """Seeding copies made (and measured)."""
+
+    def seed_source(
+        self,
+        table: SlotTable,
+        choice: SlotChoice,
+        req: SlotRequest,
+        now: float,
+        rates: Rates,
+        *,
+        min_tokens: float,
+    ) -> tuple[Slot, Slot, float] | None:
+        """``(source, target, tokens)``: the idle slot to copy, the idle slot to copy it into
+        and run ``req`` on, and the prompt tokens the copy gives it; None when no copy is worth
+        making against ``choice``.
+
+        A copy is made when the source holds at least ``min_tokens`` more of the request than
+        the choice gets, or when the choice is the source itself and would overwrite content
+        whose expected cost of recomputing (``SlotTable.eviction_s``: another conversation's
+        history) is more than the copy's. The target's own
+        content must be expendable (nothing, or held by the server's RAM cache), and the copy's
+        expected time under ``COPY_MAX_COST`` of the prefill it saves.
+        """
+        if choice.reason == SLOT_QUEUE or not table.slots:
+            return None
+        idle = [s for s in table.slots if s.idle(now)]
+        targets = [s for s in idle if s.state is None or table.ram.holds(s.state)]
+        if not targets:
+            return None
+        query = req.query()
+        best: tuple[Slot, Slot, float] | None = None
+        best_key: tuple[float, bool, float] | None = None
+        for source in idle:
+            if source.state is None:
+                continue
+            tokens = table.matched_tokens(req, source.content, source.state)
+            if tokens < min_tokens:
+                continue
+            cost_s = source.state.tokens * self.copy_s_per_token
+            if source.id == choice.slot:
+                # Pinned there, the request would overwrite what the slot holds: worth a copy
+                # only when that is expected to cost more to recompute later than the copy
+                # (never for the request's own conversation, which it continues).
+                if choice.pick is None:
+                    continue
+                if table.eviction_s(source, choice.pick, query, now, rates) <= cost_s:
+                    continue
+            elif tokens - choice.matched_tokens < min_tokens:
+                continue
+            for target in targets:
+                if target is source:
+                    continue
+                own = table.matched_tokens(req, target.content, target.state)
+                if cost_s >= COPY_MAX_COST * (tokens - own) * rates.prefill_s:
+                    continue
+                # Most tokens gained; then an empty slot; then the least recently used.
+                key = (tokens - own, target.state is None, -target.last_used)
+                if best_key is None or key > best_key:
+                    best, best_key = (source, target, tokens), key
+        return best
+
+    async def restore(
+        self, endpoint: SlotEndpoint, source: Slot, target: int, *, started: float
+    ) -> bool:
+        """Restore ``source``'s snapshot into slot ``target`` (a seeding copy begun at
+        ``started`` with its save); measures the copy's time per token."""
+        tokens = source.state.tokens if source.state is not None else 0.0
+        async with self.lock:
+            ok = await endpoint.restore(target, SNAPSHOT_FILE.format(slot=source.id))
+        if ok and tokens >= 1.0:
+            seen = (monotonic() - started) / tokens
+            old = self.copy_s_per_token
+            self.copy_s_per_token = seen if not self.copies else old + 0.3 * (seen - old)
+            self.copies += 1
+        return ok
 
     async def snapshot(self, endpoint: SlotEndpoint, slot: int, content: tuple[int, ...]) -> bool:
         """Make sure ``slot``'s snapshot file holds ``content`` (one save per content)."""

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
@@ -45,7 +45,9 @@ from proxy.scheduling.rates import Rates
 from proxy.scheduling.slots import (
     SLOT_BUSY,
     SLOT_CLIENT,
+    SLOT_COPY,
     SLOT_FOREIGN,
+    SLOT_PLACE,
     SLOT_QUEUE,
     SLOT_REASONS,
     SLOT_UNPINNED,
@@ -331,6 +333,7 @@ class Scheduler:
         client = api.client_slot(body)
         choice: SlotChoice
         copied: SlotChoice | None = None
+        chosen = False  # the table's choice (not the client's, not a step back)
         if plain and client is None:
             choice = SlotChoice(None, SLOT_UNPINNED, 0.0, req.prompt_tokens, 0.0)
         elif client is not None:
@@ -345,6 +348,7 @@ class Scheduler:
         else:
             useful = float(self.config.min_prefix_tokens)
             choice = table.choose(req, state.rates, now, useful_tokens=useful)
+            chosen = True
         task = SlotTask(
             hashes=req.hashes,
             prompt_tokens=req.prompt_tokens,
@@ -362,6 +366,10 @@ class Scheduler:
             task.t_sent = monotonic()
             if copied is not None:  # the task is placed already
                 choice = copied
+        if copied is None and self.config.slot_copy and chosen:
+            seeded = await self._seed(ticket, state, table, req, choice, task)
+            if seeded is not None:
+                choice, copied = seeded, seeded
         if copied is None:
             # Before any await: the next request's choice sees it.
             table.place(task, choice.slot, task.t_sent, choice.pick)
@@ -425,6 +433,57 @@ class Scheduler:
             running=running.ended,
             min_tokens=self.config.min_prefix_tokens,
         )
+
+    async def _seed(
+        self,
+        ticket: Ticket,
+        state: ReplicaState,
+        table: SlotTable,
+        req: SlotRequest,
+        choice: SlotChoice,
+        task: SlotTask,
+    ) -> SlotChoice | None:
+        """Seed an idle slot with a copy of another one holding the request's prefix and place
+        ``task`` there (``fanout.FanOut.seed_source`` says when). Returns the choice made, or
+        None when ``task`` is still to be placed: no copy was worth it, or the save failed
+        (then the choice is made again, as the wait may have changed the slots)."""
+        endpoint = state.endpoint
+        if endpoint is None or not endpoint.save_supported:
+            return None
+        now = monotonic()
+        useful = float(self.config.min_prefix_tokens)
+        found = state.fanout.seed_source(table, choice, req, now, state.rates, min_tokens=useful)
+        if found is None:
+            return None
+        source, target, tokens = found
+        content = source.content
+        t0 = monotonic()
+        async with state.fanout.lock:
+            saved = await state.fanout.snapshot(endpoint, source.id, content)
+        now = monotonic()
+        ticket.held_ms = (now - t0) * 1000.0
+        task.t_sent = now
+        if not (saved and target.idle(now) and source.content == content):
+            again = table.choose(req, state.rates, now, useful_tokens=useful)
+            task.uncached_tokens = again.uncached_tokens
+            table.place(task, again.slot, now, again.pick)
+            return again
+        # The model holds the copy from now on, and the task is placed before the restore is
+        # awaited, so no other request takes the slot meanwhile.
+        target.state = source.state
+        table.place(task, target.id, now)
+        uncached = req.prompt_tokens - tokens
+        task.uncached_tokens = uncached
+        seeded = SlotChoice(target.id, SLOT_COPY, tokens, uncached, choice.expected_end_s)
+        if not await state.fanout.restore(endpoint, source, target.id, started=t0):
+            # It runs there all the same, from nothing (a failed restore clears the slot):
+            # nothing is learned from a match the model expected.
+            target.state = task.state
+            task.pick, task.shared = None, None
+            seeded = replace(seeded, reason=SLOT_PLACE, matched_tokens=0.0)
+        ticket.held_ms = (monotonic() - t0) * 1000.0
+        task.t_sent = monotonic()
+        return seeded
 
     # -- after the response --------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ SLOT_BUSY = "slot_busy"
 SLOT_CLIENT = "slot_client"
 SLOT_FOREIGN = "slot_foreign"
 SLOT_FANOUT = "slot_fanout"
+SLOT_COPY = "slot_copy"  # the slot taken was first seeded with a copy of an idle slot's prefix
 SLOT_RAM = "slot_ram"
 SLOT_SERVER = "slot_server"
 SLOT_UNPINNED = "slot_unpinned"  # a control-group request: the server chooses, the table follows
@@ -41,6 +42,7 @@ SLOT_REASONS = (
     SLOT_CLIENT,
     SLOT_FOREIGN,
     SLOT_FANOUT,
+    SLOT_COPY,
     SLOT_UNPINNED,
 )
 

@@ -215,3 +215,45 @@ async def test_fanout_without_slot_save_path_falls_back_to_queueing(
     await records.wait(4)
     assert len(set(slot_fake.assigned)) == 1
     assert slot_fake.prompt_processed <= 1.5 * WORDS
+
+
+async def test_a_new_conversation_is_seeded_with_a_copy_of_the_shared_prefix(
+    aiohttp_server: Any, make_proxy: MakeProxy
+) -> None:
+    """The second conversation's first request takes the idle empty slot, seeded with a copy of
+    the slot holding the shared system prompt: the first conversation keeps its slot, and the
+    shared prompt is not prefilled twice."""
+    # 2 ms a token: a CPU's prefill, which the copy (50 µs a token before one is measured) beats
+    fake = await serve(
+        SlotLlamaFake(Knobs(prefill_ms_per_token=2.0), slots=2, slot_save=True), aiohttp_server
+    )
+    client, records, _ = await make_proxy(fake.url)
+    await post_all(client, [chat(SYSTEM, "first conversation: rule one?")])
+    await records.wait(1)
+    before = fake.prompt_processed
+    await post_all(client, [chat(SYSTEM, "second conversation: rule two?")])
+    rec = await records.wait(2)
+    assert rec.schedule_reason == "slot_copy", rec.schedule_reason
+    assert fake.saves == 1 and fake.restores == 1
+    assert fake.assigned[0] != fake.assigned[1]
+    assert "first" in fake.slot_words[fake.assigned[0]]  # the first conversation's slot is intact
+    assert fake.prompt_processed - before < 10  # only the new question was prefilled
+    assert rec.held_ms > 0 and rec.cached_tokens is not None
+    assert rec.predicted_cached_tokens == pytest.approx(rec.cached_tokens, rel=0.1)
+
+
+async def test_seeding_without_slot_save_path_is_tried_once_and_turns_itself_off(
+    aiohttp_server: Any, make_proxy: MakeProxy
+) -> None:
+    """A server without ``--slot-save-path`` refuses the first save; the request runs as it
+    would have, and no copy is tried again."""
+    slot_fake = await serve(SlotLlamaFake(Knobs(prefill_ms_per_token=2.0), slots=2), aiohttp_server)
+    client, records, app = await make_proxy(slot_fake.url)
+    for i in range(3):
+        await post_all(client, [chat(SYSTEM, f"conversation {i}: rule {i}?")])
+        await records.wait(i + 1)
+    assert all(r.status == 200 for r in records)
+    assert all(r.schedule_reason != "slot_copy" for r in records)
+    state = app[STATE].scheduler.state(slot_fake.url)
+    assert state.endpoint is not None and not state.endpoint.save_supported
+    assert slot_fake.saves == 0 and records[1].schedule_reason == "slot_hit"
