@@ -99,3 +99,51 @@ async def test_fleet_through_prefixgate_caches_at_least_as_much_as_direct(
     assert len(errors) == len(bodies)
     assert sum(errors) / len(errors) <= 0.06, errors
     assert {r.cache_source for r in records} <= {"slot", "ram", "none"}
+
+
+@pytest.fixture(scope="module")
+def two_servers_as_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """Two fresh llama-servers started as ``make run`` starts one: similarity 0, a save path."""
+    saves = tmp_path_factory.mktemp("slots")
+    flags = (*FLAGS, "--slot-prompt-similarity", "0", "--slot-save-path", str(saves))
+    with (
+        running_llama_server(slots=2, ctx=8192, threads=1, extra=flags) as direct,
+        running_llama_server(slots=2, ctx=8192, threads=1, extra=flags) as behind,
+    ):
+        yield direct, behind
+
+
+async def test_fleet_as_make_run_starts_the_server_never_recomputes_the_shared_prompt(
+    two_servers_as_run: tuple[str, str],
+) -> None:
+    """With the flags ``make run`` gives llama-server, the second conversation's first request
+    takes a copy of the slot holding the shared system prompt (``slot_copy``), the first
+    conversation keeps its slot, and every request after the first reuses a cached prefix."""
+    records: list[RequestRecord] = []
+    writer = RecordWriter(logger=get_logger("test.records"))
+    writer.add_sink(records.append)
+    settings = resolve(
+        {"backend": [two_servers_as_run[1]], "server_slot_similarity": 0.0}, environ={}
+    )
+    server = TestServer(build_app(settings, writer=writer))
+    await server.start_server()
+    bodies = workloads.fleet_bodies(SCALE, "fixed")
+    try:
+        url = str(server.make_url("")).rstrip("/")
+        async with aiohttp.ClientSession() as session:
+            direct = await send_all(session, two_servers_as_run[0], bodies)
+            through = await send_all(session, url, bodies)
+    finally:
+        await server.close()
+    direct_share, proxy_share = share(direct), share(through)
+    print(f"fleet (make run flags): direct {direct_share:.3f}, prefixgate {proxy_share:.3f}")
+    assert proxy_share >= direct_share, (direct, through)
+    assert records[1].schedule_reason == "slot_copy", [r.schedule_reason for r in records]
+    assert all(cached > 0 for _, cached in through[1:]), through
+    assert through[1][1] >= 0.6 * through[1][0]  # the shared prompt and tools, not a few tokens
+    errors = [
+        abs(r.predicted_cached_tokens - r.cached_tokens) / r.prompt_tokens
+        for r in records
+        if r.prompt_tokens and r.cached_tokens is not None and r.predicted_cached_tokens is not None
+    ]
+    assert sum(errors) / len(errors) <= 0.05, errors
