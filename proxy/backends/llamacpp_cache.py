@@ -356,6 +356,8 @@ def contains(outer: CachedPrompt, inner: CachedPrompt) -> bool:
     """``outer`` holds the whole of ``inner``: every segment of ``inner`` leads ``outer`` (the
     partial last block included), or, without segments, all of its blocks and not fewer tokens.
     A prompt shorter than one block is never taken as held on its hashes alone."""
+    if outer.hashes and inner.hashes and outer.hashes[0] != inner.hashes[0]:
+        return False  # they part in the first block
     ofp, ifp = outer.fp, inner.fp
     if ofp is not None and ifp is not None and ifp.segment_hashes:
         n = len(ifp.segment_hashes)
@@ -384,7 +386,11 @@ class RamCache:
 
     def holds(self, state: CachedPrompt) -> bool:
         """An entry holds all of ``state`` (its prompt is a prefix of the entry's)."""
-        return any(e is state or contains(e, state) for e in self.entries)
+        entries = self.entries
+        for e in entries:  # the same state saved again (an idle slot, at every launch): cheap
+            if e is state:
+                return True
+        return any(contains(e, state) for e in entries)
 
     def save(self, state: CachedPrompt | None) -> None:
         """``alloc``: skip a state already held; drop what it holds whole; evict oldest."""

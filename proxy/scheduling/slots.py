@@ -184,11 +184,16 @@ class SlotTable:
         return min((self.free_at(s, now, rates, prefilling) for s in self.slots), default=now)
 
     def matched_tokens(
-        self, req: SlotRequest, content: Sequence[int], state: CachedPrompt | None = None
+        self,
+        req: SlotRequest,
+        content: Sequence[int],
+        state: CachedPrompt | None = None,
+        query: PromptQuery | None = None,
     ) -> float:
-        """Prompt tokens of ``req`` a slot holding ``content`` (or ``state``) would serve."""
+        """Prompt tokens of ``req`` (as ``query``, when the caller has it) a slot holding
+        ``content`` (or ``state``) would serve."""
         if state is not None:
-            return self._capped(self.counter.cached(state, req.query()))
+            return self._capped(self.counter.cached(state, query or req.query()))
         tokens = common_blocks(req.hashes, content) * req.tokens_per_block
         tokens = min(tokens, max(req.prompt_tokens - 1.0, 0.0))  # one token is always evaluated
         return self._capped(tokens)
@@ -218,6 +223,8 @@ class SlotTable:
         # What placing on an idle slot costs depends only on the tokens it leaves to prefill,
         # which few slots differ in: computed once per distinct value, not once per slot.
         idle_costs: dict[float, tuple[float, float]] = {}
+        # A busy slot sharing not even the first block holds well under ``useful_tokens``.
+        quick_reject = useful_tokens > 2.0 * req.tokens_per_block
 
         def idle_cost(uncached: float) -> tuple[float, float]:
             known = idle_costs.get(uncached)
@@ -243,9 +250,10 @@ class SlotTable:
                     reason = SLOT_RAM if outcome.source == SOURCE_RAM else SLOT_HIT
                 choice = SlotChoice(slot.id, reason, matched, uncached, end - now, pick=outcome)
             else:
-                matched = self.matched_tokens(
-                    req, slot.holds_after_queue(), slot.state_after_queue()
-                )
+                held = slot.holds_after_queue()
+                if quick_reject and (not held or not req.hashes or held[0] != req.hashes[0]):
+                    continue  # under one block shared: no prefix worth waiting for
+                matched = self.matched_tokens(req, held, slot.state_after_queue(), query)
                 if matched < useful_tokens:
                     continue  # waiting is worth it only for a prefix; the server places the rest
                 holder_seen = True
