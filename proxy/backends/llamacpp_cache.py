@@ -67,12 +67,14 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from proxy.fingerprint import SEGMENT_END, Fingerprint, common_blocks
 
 _END_LEN = len(SEGMENT_END)
+MAX_CLOSING = 16.0  # tokens: a chat template's close of turn and generation prompt, at most
 SAVE_F_KEEP = 0.5  # get_available_slot: save and look for a better prompt below this f_keep
 LOAD_MIN_F_KEEP = 0.25  # server_prompt_cache::load: entries kept less than this are not taken
 DEFAULT_SIMILARITY = 0.10  # --slot-prompt-similarity
@@ -159,6 +161,9 @@ class Shared:
     unshared: float | None = None
     """Estimated tokens of the state's text after the match (counted back from the state's
     measured end); None when the count was not taken that way."""
+    exact: bool = False
+    """Where the match ends was found to the byte (``_parting``): only such a match teaches the
+    template's close of turn (``TokenCounter.closing``)."""
 
 
 class BoundaryTokens:
@@ -232,9 +237,30 @@ class TokenCounter:
     closing: float | None = None
     """Tokens a prompt ends with after its last message's text (the chat template's end of turn
     and generation prompt: 5 in ChatML). Learned from matches counted back from a state's end."""
+    _scope: PromptQuery | None = None
+    _memo: dict[int, Shared] = field(default_factory=dict)
+
+    @contextmanager
+    def scope(self, query: PromptQuery) -> Iterator[None]:
+        """Within it, ``shared(state, query)`` is computed once per state: one placement asks
+        it of the same states for every slot (the RAM cache's entries above all), and nothing
+        the answer depends on changes meanwhile."""
+        self._scope, self._memo = query, {}
+        try:
+            yield
+        finally:
+            self._scope, self._memo = None, {}
 
     def shared(self, state: CachedPrompt, query: PromptQuery) -> Shared:
         """Tokens of ``query`` that ``state`` holds (before the one-token cap)."""
+        if query is self._scope:
+            known = self._memo.get(id(state))
+            if known is None:
+                known = self._memo[id(state)] = self._shared(state, query)
+            return known
+        return self._shared(state, query)
+
+    def _shared(self, state: CachedPrompt, query: PromptQuery) -> Shared:
         sfp, qfp = state.fp, query.fp
         if sfp is not None and qfp is not None and sfp.segment_hashes and qfp.segment_hashes:
             n = len(sfp.segment_hashes)
@@ -250,9 +276,12 @@ class TokenCounter:
             density = query.prompt_tokens / max(qfp.total_bytes, 1)
             if state.measured and sfp.total_bytes:
                 density = state.prompt_tokens / sfp.total_bytes
-            parts = _parting(sfp, qfp, query.data, blocks)
+            # Compared to the byte only within one chain (same model and tenant salt: the model
+            # segment agrees), so one tenant's bytes never predict another's.
+            parts = _parting(sfp, qfp, query.data, blocks) if segs else None
+            exact = parts is not None and parts > seg_end
             past = 0.0
-            if parts is not None and parts > seg_end:  # found to the byte, inside a segment
+            if parts is not None and exact:  # found to the byte, inside a segment
                 key: int | None = None
                 shared_bytes = float(parts)
             elif parts is None and block_end > seg_end + qfp.block_bytes:
@@ -279,8 +308,12 @@ class TokenCounter:
                     unshared = left * density
                     if self.closing is not None:
                         tokens = state.prompt_tokens - self.closing - unshared
-                        return Shared(max(tokens, 0.0), key=key, past_key=past, unshared=unshared)
-                    return Shared(shared_bytes * density, key, past_key=past, unshared=unshared)
+                        return Shared(
+                            max(tokens, 0.0), key, past_key=past, unshared=unshared, exact=exact
+                        )
+                    return Shared(
+                        shared_bytes * density, key, past_key=past, unshared=unshared, exact=exact
+                    )
             return Shared(shared_bytes * density, key=key, past_key=past)
         blocks = common_blocks(query.hashes, state.hashes)
         if blocks and blocks == len(state.hashes) < len(query.hashes):
@@ -315,8 +348,8 @@ class TokenCounter:
                 seen = min(max((measured - state.prompt_tokens) / extra, 0.0), 1.0)
                 self.answer_reuse += 0.3 * (seen - self.answer_reuse)
             return
-        if shared.unshared is not None and state.measured and measured > 0:
-            seen = max(state.prompt_tokens - measured - shared.unshared, 0.0)
+        if shared.exact and shared.unshared is not None and state.measured and measured > 0:
+            seen = min(max(state.prompt_tokens - measured - shared.unshared, 0.0), MAX_CLOSING)
             self.closing = seen if self.closing is None else self.closing + 0.5 * (
                 seen - self.closing
             )

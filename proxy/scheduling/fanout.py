@@ -31,6 +31,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from proxy.backends.slot_api import SlotEndpoint
+from proxy.backends.slot_cache import CachedPrompt
 from proxy.records import monotonic
 from proxy.scheduling.rates import Rates
 from proxy.scheduling.slots import (
@@ -48,6 +49,7 @@ from proxy.scheduling.slots import (
 SNAPSHOT_FILE = "prefixgate-slot{slot}.bin"
 COPY_S_PER_TOKEN = 5e-5  # before any copy is measured: 50 µs a token (a small model on a CPU)
 COPY_MAX_COST = 0.5  # a seeding copy must cost under this share of the prefill it saves
+COPY_MIN_LIMIT_S = 0.5  # a save or restore of a seeding copy is given up after this at least
 
 
 @dataclass(slots=True)
@@ -58,6 +60,8 @@ class FanOut:
     """Per slot, the content its snapshot file holds."""
     waiting: dict[int, int] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    saved_states: dict[int, CachedPrompt] = field(default_factory=dict)
+    """Per slot, the state its snapshot was taken of (block hashes alone miss a new tail)."""
     copy_s_per_token: float = COPY_S_PER_TOKEN
     """Seconds a seeding copy (save and restore) takes per token copied, as measured."""
     copies: int = 0
@@ -80,23 +84,25 @@ class FanOut:
         A copy is made when the source holds at least ``min_tokens`` more of the request than
         the choice gets, or when the choice is the source itself and would overwrite content
         whose expected cost of recomputing (``SlotTable.eviction_s``: another conversation's
-        history) is more than the copy's. The target's own
-        content must be expendable (nothing, or held by the server's RAM cache), and the copy's
-        expected time under ``COPY_MAX_COST`` of the prefill it saves.
+        history) is more than the copy's. The target must hold nothing the model knows of (a
+        restore overwrites without saving, and the model cannot be sure what the server's RAM
+        cache still holds); the copy's expected time must be under ``COPY_MAX_COST`` of the
+        prefill it saves. Not while requests wait for any slot (the server may start one on
+        a slot the model believes idle) or another copy is being made.
         """
-        if choice.reason == SLOT_QUEUE or not table.slots:
+        if choice.reason == SLOT_QUEUE or not table.slots or table.unplaced or self.lock.locked():
             return None
         idle = [s for s in table.slots if s.idle(now)]
-        targets = [s for s in idle if s.state is None or table.ram.holds(s.state)]
+        targets = [s for s in idle if s.state is None]
         if not targets:
             return None
         query = req.query()
+        target = min(targets, key=lambda s: (s.last_used, s.id))
         best: tuple[Slot, Slot, float] | None = None
-        best_key: tuple[float, bool, float] | None = None
         for source in idle:
-            if source.state is None:
+            if source.state is None or source is target:
                 continue
-            tokens = table.matched_tokens(req, source.content, source.state)
+            tokens = table.matched_tokens(req, source.content, source.state, query)
             if tokens < min_tokens:
                 continue
             cost_s = source.state.tokens * self.copy_s_per_token
@@ -108,43 +114,55 @@ class FanOut:
                     continue
                 if table.eviction_s(source, choice.pick, query, now, rates) <= cost_s:
                     continue
-            elif tokens - choice.matched_tokens < min_tokens:
+                gain = tokens
+            else:
+                gain = tokens - choice.matched_tokens
+                if gain < min_tokens:
+                    continue
+            if cost_s >= COPY_MAX_COST * gain * rates.prefill_s:
                 continue
-            for target in targets:
-                if target is source:
-                    continue
-                own = table.matched_tokens(req, target.content, target.state)
-                if cost_s >= COPY_MAX_COST * (tokens - own) * rates.prefill_s:
-                    continue
-                # Most tokens gained; then an empty slot; then the least recently used.
-                key = (tokens - own, target.state is None, -target.last_used)
-                if best_key is None or key > best_key:
-                    best, best_key = (source, target, tokens), key
+            if best is None or tokens > best[2]:
+                best = (source, target, tokens)
         return best
 
-    async def restore(
-        self, endpoint: SlotEndpoint, source: Slot, target: int, *, started: float
-    ) -> bool:
-        """Restore ``source``'s snapshot into slot ``target`` (a seeding copy begun at
-        ``started`` with its save); measures the copy's time per token."""
+    def copy_limit_s(self, source: Slot) -> float:
+        """How long one step of a seeding copy may take before it is given up."""
         tokens = source.state.tokens if source.state is not None else 0.0
-        async with self.lock:
-            ok = await endpoint.restore(target, SNAPSHOT_FILE.format(slot=source.id))
-        if ok and tokens >= 1.0:
-            seen = (monotonic() - started) / tokens
-            old = self.copy_s_per_token
-            self.copy_s_per_token = seen if not self.copies else old + 0.3 * (seen - old)
-            self.copies += 1
-        return ok
+        return max(COPY_MIN_LIMIT_S, 10.0 * tokens * self.copy_s_per_token)
 
-    async def snapshot(self, endpoint: SlotEndpoint, slot: int, content: tuple[int, ...]) -> bool:
-        """Make sure ``slot``'s snapshot file holds ``content`` (one save per content)."""
-        if self.saved.get(slot) == content:
+    def measured(self, tokens: float, seconds: float) -> None:
+        """One seeding copy of ``tokens`` took ``seconds`` (save and restore, no lock wait)."""
+        if tokens < 1.0:
+            return
+        seen = seconds / tokens
+        old = self.copy_s_per_token
+        self.copy_s_per_token = seen if not self.copies else old + 0.3 * (seen - old)
+        self.copies += 1
+
+    async def snapshot(
+        self,
+        endpoint: SlotEndpoint,
+        slot: int,
+        content: tuple[int, ...],
+        *,
+        state: CachedPrompt | None = None,
+        limit_s: float = 10.0,
+    ) -> bool:
+        """Make sure ``slot``'s snapshot file holds ``content`` (one save per content; with
+        ``state``, per state: the same blocks with another tail are another snapshot)."""
+        if self.saved.get(slot) == content and (
+            state is None or self.saved_states.get(slot) is state
+        ):
             return True
-        if not await endpoint.save(slot, SNAPSHOT_FILE.format(slot=slot)):
+        if not await endpoint.save(slot, SNAPSHOT_FILE.format(slot=slot), limit_s=limit_s):
             self.saved.pop(slot, None)
+            self.saved_states.pop(slot, None)
             return False
         self.saved[slot] = content
+        if state is not None:
+            self.saved_states[slot] = state
+        else:
+            self.saved_states.pop(slot, None)
         return True
 
     async def take_or_copy(

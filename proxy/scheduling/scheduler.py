@@ -40,7 +40,7 @@ from proxy.log import get_logger
 from proxy.records import Observation, RequestRecord, monotonic
 from proxy.scheduling.coalesce import InflightPrefixes, Leader, wait_for_leader
 from proxy.scheduling.config import SchedulingConfig
-from proxy.scheduling.fanout import FanOut
+from proxy.scheduling.fanout import SNAPSHOT_FILE, FanOut
 from proxy.scheduling.rates import Rates
 from proxy.scheduling.slots import (
     SLOT_BUSY,
@@ -445,44 +445,56 @@ class Scheduler:
     ) -> SlotChoice | None:
         """Seed an idle slot with a copy of another one holding the request's prefix and place
         ``task`` there (``fanout.FanOut.seed_source`` says when). Returns the choice made, or
-        None when ``task`` is still to be placed: no copy was worth it, or the save failed
-        (then the choice is made again, as the wait may have changed the slots)."""
+        None when no copy is worth it (``task`` is then still to be placed). When the save
+        fails, or the slots changed while it was made, the choice is made again and ``task``
+        placed by it. The whole copy holds the replica's copy lock: no other copy overwrites
+        the snapshot between its save and its restore."""
         endpoint = state.endpoint
         if endpoint is None or not endpoint.save_supported:
             return None
-        now = monotonic()
         useful = float(self.config.min_prefix_tokens)
-        found = state.fanout.seed_source(table, choice, req, now, state.rates, min_tokens=useful)
+        fanout = state.fanout
+        found = fanout.seed_source(table, choice, req, monotonic(), state.rates, min_tokens=useful)
         if found is None:
             return None
         source, target, tokens = found
-        content = source.content
-        t0 = monotonic()
-        async with state.fanout.lock:
-            saved = await state.fanout.snapshot(endpoint, source.id, content)
-        now = monotonic()
-        ticket.held_ms = (now - t0) * 1000.0
-        task.t_sent = now
-        if not (saved and target.idle(now) and source.content == content):
-            again = table.choose(req, state.rates, now, useful_tokens=useful)
-            task.uncached_tokens = again.uncached_tokens
-            table.place(task, again.slot, now, again.pick)
-            return again
-        # The model holds the copy from now on, and the task is placed before the restore is
-        # awaited, so no other request takes the slot meanwhile.
-        target.state = source.state
-        table.place(task, target.id, now)
-        uncached = req.prompt_tokens - tokens
-        task.uncached_tokens = uncached
-        seeded = SlotChoice(target.id, SLOT_COPY, tokens, uncached, choice.expected_end_s)
-        if not await state.fanout.restore(endpoint, source, target.id, started=t0):
+        content, copied = source.content, source.state
+        limit_s = fanout.copy_limit_s(source)
+        async with fanout.lock:
+            t0 = monotonic()
+            saved = await fanout.snapshot(
+                endpoint, source.id, content, state=copied, limit_s=limit_s
+            )
+            now = monotonic()
+            ticket.held_ms = (now - t0) * 1000.0
+            task.t_sent = now
+            if not (saved and target.idle(now) and target.state is None and source.state is copied):
+                again = table.choose(req, state.rates, now, useful_tokens=useful)
+                task.uncached_tokens = again.uncached_tokens
+                table.place(task, again.slot, now, again.pick)
+                return again
+            # The model holds the copy from now on, and the task is placed before the restore is
+            # awaited, so no other request takes the slot meanwhile.
+            target.state = copied
+            table.place(task, target.id, now)
+            uncached = req.prompt_tokens - tokens
+            task.uncached_tokens = uncached
+            seeded = SlotChoice(target.id, SLOT_COPY, tokens, uncached, choice.expected_end_s)
+            filename = SNAPSHOT_FILE.format(slot=source.id)
+            restored = await endpoint.restore(target.id, filename, limit_s=limit_s)
+            now = monotonic()
+        if restored:
+            fanout.measured(copied.tokens if copied is not None else 0.0, now - t0)
+        else:
             # It runs there all the same, from nothing (a failed restore clears the slot):
             # nothing is learned from a match the model expected.
-            target.state = task.state
+            target.state = None
             task.pick, task.shared = None, None
+            task.uncached_tokens = req.prompt_tokens
             seeded = replace(seeded, reason=SLOT_PLACE, matched_tokens=0.0)
-        ticket.held_ms = (monotonic() - t0) * 1000.0
-        task.t_sent = monotonic()
+            seeded = replace(seeded, uncached_tokens=req.prompt_tokens)
+        task.t_start = task.t_sent = now  # it reaches the server only now
+        ticket.held_ms = (now - t0) * 1000.0
         return seeded
 
     # -- after the response --------------------------------------------------------------------

@@ -203,6 +203,20 @@ class SlotTable:
     def choose(
         self, req: SlotRequest, rates: Rates, now: float, *, useful_tokens: float
     ) -> SlotChoice:
+        """The slot ``req`` is expected to end soonest on (``_choose``)."""
+        query = req.query()
+        with self.counter.scope(query):
+            return self._choose(req, query, rates, now, useful_tokens=useful_tokens)
+
+    def _choose(
+        self,
+        req: SlotRequest,
+        query: PromptQuery,
+        rates: Rates,
+        now: float,
+        *,
+        useful_tokens: float,
+    ) -> SlotChoice:
         """The slot ``req`` is expected to end soonest on (see the module docstring).
 
         On an idle slot the tokens a request reuses are what the server's cache model says a
@@ -219,7 +233,6 @@ class SlotTable:
         holder_seen = False
         any_idle = False
         views = self._views(now)
-        query = req.query()
         # What placing on an idle slot costs depends only on the tokens it leaves to prefill,
         # which few slots differ in: computed once per distinct value, not once per slot.
         idle_costs: dict[float, tuple[float, float]] = {}

@@ -257,3 +257,31 @@ async def test_seeding_without_slot_save_path_is_tried_once_and_turns_itself_off
     state = app[STATE].scheduler.state(slot_fake.url)
     assert state.endpoint is not None and not state.endpoint.save_supported
     assert slot_fake.saves == 0 and records[1].schedule_reason == "slot_hit"
+
+
+class _LosesSnapshots(SlotLlamaFake):
+    """A save path whose files vanish between the save and the restore."""
+
+    async def slot_action(self, request: Any) -> Any:
+        if request.query.get("action") == "restore":
+            self._files.clear()
+        return await super().slot_action(request)
+
+
+async def test_a_failed_restore_runs_the_request_from_nothing_and_says_so(
+    aiohttp_server: Any, make_proxy: MakeProxy
+) -> None:
+    """The restore fails after the save: the request still runs on its slot, recorded as a
+    placement with nothing predicted, and the model learns nothing from it."""
+    fake = await serve(
+        _LosesSnapshots(Knobs(prefill_ms_per_token=2.0), slots=2, slot_save=True), aiohttp_server
+    )
+    client, records, app = await make_proxy(fake.url)
+    await post_all(client, [chat(SYSTEM, "first conversation: rule one?")])
+    await records.wait(1)
+    await post_all(client, [chat(SYSTEM, "second conversation: rule two?")])
+    rec = await records.wait(2)
+    assert rec.status == 200 and fake.saves == 1 and fake.restores == 0
+    assert rec.schedule_reason == "slot_place" and rec.predicted_cached_tokens == 0
+    table = app[STATE].scheduler.state(fake.url).table
+    assert table is not None and table.counter.closing is None

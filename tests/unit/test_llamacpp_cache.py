@@ -301,3 +301,33 @@ def test_with_the_request_bytes_a_match_inside_the_last_message_is_found_to_the_
         counter.learn(shared, held, measured=float(true), prompt=q.prompt_tokens)
     assert counter.closing == 2.0  # the rendered close of a segment, in these byte "tokens"
     assert max(errors[1:]) < 1e-9
+
+
+def test_the_close_of_turn_is_learned_from_byte_exact_matches_only() -> None:
+    """A match that parts outside the kept bytes is an estimate (the block's middle): it must
+    not teach the close of turn, which the exact predictions rest on."""
+    counter = TokenCounter()
+    head = "w" * 5000
+    first = {"model": "m", "messages": [{"role": "user", "content": head + "x" * 3000}]}
+    grown = {"model": "m", "messages": [{"role": "user", "content": head + "y" * 3000}]}
+    fp1, _ = fingerprint_with_data("/v1/chat/completions", first, block_bytes=256)
+    fp2, d2 = fingerprint_with_data("/v1/chat/completions", grown, block_bytes=256)
+    held = CachedPrompt(hashes=fp1.block_hashes, prompt_tokens=float(fp1.total_bytes), fp=fp1)
+    held.measure(fp1.total_bytes, 0)
+    q = PromptQuery(fp2.block_hashes, float(fp2.total_bytes), 256.0, fp2, d2)
+    shared = counter.shared(held, q)
+    assert not shared.exact  # parts ~3 KB before the end, outside the kept ~1 KB
+    counter.learn(shared, held, measured=2000.0, prompt=q.prompt_tokens)
+    assert counter.closing is None
+
+
+def test_bytes_are_never_compared_across_tenants() -> None:
+    """Two tenants (salts) with the same short prompt share no chain: the kept bytes of one
+    never predict a match for the other."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "same words " * 40}]}
+    fp_a, _ = fingerprint_with_data("/v1/chat/completions", body, block_bytes=256, salt="a")
+    fp_b, d_b = fingerprint_with_data("/v1/chat/completions", body, block_bytes=256, salt="b")
+    held = CachedPrompt(hashes=fp_a.block_hashes, prompt_tokens=float(fp_a.total_bytes), fp=fp_a)
+    held.measure(fp_a.total_bytes, 0)
+    q = PromptQuery(fp_b.block_hashes, float(fp_b.total_bytes), 256.0, fp_b, d_b)
+    assert TokenCounter().shared(held, q).tokens == 0.0
