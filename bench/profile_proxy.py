@@ -8,6 +8,12 @@ input) and prints the functions with the most samples, by self and inclusive tim
 py-spy is not a project dependency; install it anywhere (``python3 -m venv /tmp/prof &&
 /tmp/prof/bin/pip install py-spy``) and pass ``--py-spy /tmp/prof/bin/py-spy``.
 
+``--cpu-only`` skips the profile and prints the proxy's CPU time per request instead;
+``--target relay`` measures ``bench/bare_relay.py`` the same way (the floor of an aiohttp proxy).
+``--sizes 8192,65536,...`` prints a size-linearity table, one stream at a time: for each prompt
+size, prefixgate and the relay alternately (a fresh process each), CPU per request, TTFT p50 and
+prefixgate's ``proxy_overhead_ms`` p50 from its records.
+
 Run: ``python bench/profile_proxy.py --py-spy PATH [--concurrency 64] [--seconds 10]``.
 """
 
@@ -30,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen
 import procs
-from bench_overhead import salted_bodies
+from bench_overhead import proxy_overheads, salted_bodies
 
 
 def top_functions(raw: Path, limit: int) -> str:
@@ -62,6 +68,88 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_per_request(
+    workdir: Path,
+    backend_url: str,
+    *,
+    target: str,
+    prompt_bytes: int,
+    concurrency: int,
+    seconds: float,
+    extra: list[str],
+) -> dict[str, float | None]:
+    """One target started afresh, warmed up, then timed: CPU ms per request, TTFT p50, req/s,
+    and (prefixgate) ``proxy_overhead_ms`` p50 of the timed requests."""
+    bodies = salted_bodies(prompt_bytes, 16)
+    with ExitStack() as stack:
+        if target == "relay":
+            proxy = stack.enter_context(procs.start_bare_relay(workdir, backend_url))
+        else:
+            proxy = stack.enter_context(procs.start_prefixgate(workdir, backend_url, extra=extra))
+        url = proxy.url + loadgen.CHAT_PATH
+        asyncio.run(loadgen.closed_loop(url, bodies, concurrency=min(concurrency, 8), requests=32))
+        prefix = f"size{prompt_bytes}"
+        cpu0 = cpu_seconds(proxy.popen.pid)
+        results, window = asyncio.run(
+            loadgen.closed_loop(
+                url, bodies, concurrency=concurrency, duration_s=seconds, id_prefix=prefix
+            )
+        )
+        cpu = cpu_seconds(proxy.popen.pid) - cpu0
+        summary = loadgen.summarize(results, window, loadgen.Slo())
+        overhead = proxy_overheads(proxy, prefix, len(results)) if target != "relay" else {}
+    return {
+        "cpu_ms": 1000 * cpu / max(len(results), 1),
+        "ttft_p50": summary["ttft_ms"]["p50"],
+        "rps": summary["rps"],
+        "overhead_p50": overhead.get("p50"),
+    }
+
+
+def size_table(args: argparse.Namespace) -> int:
+    """Prefixgate against the relay, one stream at a time, at each of ``--sizes``."""
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pg-prof-") as tmp, ExitStack() as stack:
+        workdir = Path(tmp)
+        fake = stack.enter_context(procs.start_fake(workdir, slots=args.fake_slots))
+        for size in sizes:
+            row: dict[str, dict[str, float | None]] = {}
+            for target in ("prefixgate", "relay"):
+                row[target] = cpu_per_request(
+                    workdir,
+                    fake.url,
+                    target=target,
+                    prompt_bytes=size,
+                    concurrency=args.concurrency,
+                    seconds=args.seconds,
+                    extra=args.extra.split(),
+                )
+            rows.append((size, row))
+            pg, relay = row["prefixgate"], row["relay"]
+            print(
+                f"{size} B: prefixgate {pg['cpu_ms']:.2f} ms CPU, TTFT p50 {pg['ttft_p50']} ms, "
+                f"proxy_overhead_ms p50 {pg['overhead_p50']}; relay {relay['cpu_ms']:.2f} ms "
+                f"CPU, TTFT p50 {relay['ttft_p50']} ms",
+                flush=True,
+            )
+    print(
+        f"\n{args.concurrency} stream(s), {args.seconds:g} s per target and size\n"
+        "| prompt | prefixgate CPU ms/request | relay CPU ms/request | difference | "
+        "prefixgate TTFT p50 ms | relay TTFT p50 ms | proxy_overhead_ms p50 |\n"
+        "|---|---|---|---|---|---|---|"
+    )
+    for size, row in rows:
+        pg, relay = row["prefixgate"], row["relay"]
+        assert pg["cpu_ms"] is not None and relay["cpu_ms"] is not None
+        print(
+            f"| {size // 1024} KB | {pg['cpu_ms']:.2f} | {relay['cpu_ms']:.2f} | "
+            f"{pg['cpu_ms'] - relay['cpu_ms']:.2f} | {pg['ttft_p50']} | {relay['ttft_p50']} | "
+            f"{pg['overhead_p50']} |"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
@@ -73,13 +161,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument(
+        "--native", action="store_true", help="py-spy --native: C frames too (memcpy, orjson...)"
+    )
+    parser.add_argument(
         "--cpu-only",
         action="store_true",
         help="no profile: the proxy's CPU time per request under the same load",
     )
+    parser.add_argument(
+        "--target",
+        choices=("prefixgate", "relay"),
+        default="prefixgate",
+        help="relay: bench/bare_relay.py, the floor of an aiohttp proxy (with --cpu-only)",
+    )
+    parser.add_argument(
+        "--sizes",
+        default="",
+        help="comma-separated prompt sizes in bytes: a linearity table against the relay",
+    )
     parser.add_argument("--extra", default="", help="more `prefixgate serve` flags")
     parser.add_argument("--out", default=str(procs.BENCH / "results" / "profile.txt"))
     args = parser.parse_args(argv)
+    if args.sizes:
+        return size_table(args)
+    if args.target == "relay" and not args.cpu_only:
+        parser.error("--target relay is measured with --cpu-only (or --sizes)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     bodies = salted_bodies(args.prompt_bytes, 16)
@@ -87,9 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         fake = stack.enter_context(procs.start_fake(workdir, slots=args.fake_slots))
         redis_url = stack.enter_context(procs.start_redis(workdir)).url if args.redis else None
-        proxy = stack.enter_context(
-            procs.start_prefixgate(workdir, fake.url, redis_url=redis_url, extra=args.extra.split())
-        )
+        if args.target == "relay":
+            proxy = stack.enter_context(procs.start_bare_relay(workdir, fake.url))
+        else:
+            proxy = stack.enter_context(
+                procs.start_prefixgate(
+                    workdir, fake.url, redis_url=redis_url, extra=args.extra.split()
+                )
+            )
         url = proxy.url + loadgen.CHAT_PATH
         asyncio.run(loadgen.closed_loop(url, bodies, concurrency=8, requests=64))
         if args.cpu_only:
@@ -115,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(proxy.popen.pid),
                 "-o",
                 str(out),
+                *(["--native"] if args.native else []),
                 "--format",
                 "raw",
                 "-r",
