@@ -301,11 +301,54 @@ def plain_token_event(event: bytes, route: str) -> bool:
     for key in _NEWS:
         if key in event:
             return False
+    return _carries_token(event, patterns)
+
+
+def _carries_token(event: bytes, patterns: tuple[bytes, ...]) -> bool:
+    """Whether a token key of ``patterns`` in ``event`` has a non-empty value."""
     for pattern in patterns:
         at = event.find(pattern)
         if at >= 0 and event[at + len(pattern) : at + len(pattern) + 1] not in (b'"', b"]"):
             return True
     return False
+
+
+def plain_token_run(chunk: bytes, route: str) -> int:
+    """How many events ``chunk`` holds when it is whole events, each of which
+    ``plain_token_event`` would pass; else 0.
+
+    Under load one upstream read often carries several token events. A chunk without ``\r``
+    that ends in a blank line splits into exactly the events the ``EventSplitter`` would cut
+    (``\n\n`` is then the only separator), so the events are checked in place, and the keys no
+    plain event may hold are searched once over the whole chunk (none of them contains a line
+    break, so none can span two events).
+    """
+    if b"\r" in chunk or not chunk.endswith(b"\n\n"):
+        return 0
+    for key in _NEWS:
+        if key in chunk:
+            return 0
+    parts = chunk.split(b"\n\n")
+    parts.pop()  # what follows the last separator: nothing
+    api = _API_TOKENS.get(route)
+    if api is not None:
+        for part in parts:
+            if not _plain_api_event(part + b"\n\n", *api):
+                return 0
+        return len(parts)
+    if chunk.count(b"\n") != 2 * len(parts):
+        return 0  # an event of more than one line (each ends in two line breaks)
+    if route == NATIVE_COMPLETION:
+        marker, patterns = b'"stop":false', _NATIVE_TOKENS
+    else:
+        marker = b'"finish_reason":null'
+        patterns = _TEXT_TOKENS if route == COMPLETIONS else _CHAT_TOKENS
+    for part in parts:
+        if not part.startswith(b"data: {") or marker not in part:
+            return 0
+        if not _carries_token(part, patterns):
+            return 0
+    return len(parts)
 
 
 class StreamInspector:
@@ -364,18 +407,22 @@ class StreamInspector:
         out.append(event)
 
     def plain_chunk(self, chunk: bytes, now: float) -> bool:
-        """Whether ``chunk`` (a whole upstream read) is one plain token event; counted if so.
+        """Whether ``chunk`` (a whole upstream read) is one plain token event, or several
+        (``plain_token_run``); counted if so.
 
         The relay then forwards it as it is, without splitting it into events first.
         """
         obs = self.ex.obs
-        if (
-            self._held is not None
-            or obs.t_first_visible is None
-            or not plain_token_event(chunk, self.ex.route)
-        ):
+        if self._held is not None or obs.t_first_visible is None:
             return False
-        self._count_token(now)
+        if plain_token_event(chunk, self.ex.route):
+            events = 1
+        else:
+            events = plain_token_run(chunk, self.ex.route)
+            if not events:
+                return False
+        obs.t_last_token = now
+        obs.token_events += events
         return True
 
     def _count_token(self, now: float) -> None:
