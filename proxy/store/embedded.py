@@ -178,12 +178,13 @@ class EmbeddedStore:
         if (hour + 1) * HOUR_S + retention <= now:
             return  # older than anything kept
         inc = sample_increments(sample)
+        head = bucket_field(sample.model, sample.backend, "")  # every key: this, then the name
+        keyed = [(head + name, value) for name, value in inc.items()]
         for res, idx in ((MINUTE_S, minute), (HOUR_S, hour)):
             if (idx + 1) * res + retention <= now:
                 continue
             bucket = self._buckets.setdefault((sample.namespace, res, idx), {})
-            for name, value in inc.items():
-                key = bucket_field(sample.model, sample.backend, name)
+            for key, value in keyed:
                 bucket[key] = bucket.get(key, 0.0) + value
         self._add_anchor(sample, hour)
         self._sweep(now)
