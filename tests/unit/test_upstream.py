@@ -55,22 +55,27 @@ async def test_the_pool_reads_what_plain_aiohttp_refuses() -> None:
 
 
 def dribbler(
-    pieces: int, every_s: float, then_stall_s: float = 0.0
+    pieces: int, every_s: float, stall: asyncio.Event | None = None
 ) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
     """A server answering with a chunked body: ``pieces`` chunks ``every_s`` apart, then (with
-    ``then_stall_s``) silence before the end."""
+    ``stall``) silence until the event is set, then the end."""
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        for _ in range(pieces):
-            writer.write(b"1\r\nx\r\n")
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for _ in range(pieces):
+                writer.write(b"1\r\nx\r\n")
+                await writer.drain()
+                await asyncio.sleep(every_s)
+            if stall is not None:
+                await stall.wait()
+            writer.write(b"0\r\n\r\n")
             await writer.drain()
-            await asyncio.sleep(every_s)
-        await asyncio.sleep(then_stall_s)
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-        writer.close()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
 
     return answer
 
@@ -94,7 +99,8 @@ async def test_the_idle_timeout_moves_with_each_read() -> None:
         async with server, upstream_session() as session, session.get(url, timeout=timeout) as r:
             assert await r.read() == b"x" * 12  # 0.6 s in all: three timeouts' worth
         assert due, "aiohttp no longer calls ResponseHandler._reschedule_timeout"
-        server = await asyncio.start_server(dribbler(3, 0.02, then_stall_s=2.0), "127.0.0.1", 0)
+        stall = asyncio.Event()
+        server = await asyncio.start_server(dribbler(3, 0.02, stall), "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
         loop = asyncio.get_running_loop()
         async with server, upstream_session() as session, session.get(url, timeout=timeout) as r:
@@ -103,6 +109,8 @@ async def test_the_idle_timeout_moves_with_each_read() -> None:
                 async for _ in r.content.iter_any():
                     chunks, last = chunks + 1, loop.time()
             waited = loop.time() - last
+            stall.set()
+            await asyncio.sleep(0.05)  # the server's handler ends and closes its side
         assert chunks >= 1
         assert 0.18 <= waited < 0.5
     finally:
