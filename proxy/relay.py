@@ -466,6 +466,7 @@ async def _relay_stream(
     inspector = StreamInspector(ex)
     obs = ex.obs
     failure: ProxyError | None = None
+    body_started = False
     try:
         async for chunk in upstream.content.iter_any():
             now = monotonic()
@@ -477,9 +478,11 @@ async def _relay_stream(
                     inspector.process(event, now, out)
                 data = b"".join(out)
             obs.inspect_s += monotonic() - now
-            if data and not await _write(request, resp, data, ex.send_timeout_s):
-                _client_gone(ex, upstream)
-                return resp
+            if data:
+                if not await _write(request, resp, data, ex.send_timeout_s):
+                    _client_gone(ex, upstream)
+                    return resp
+                body_started = True
     except TimeoutError:
         failure = BackendTimeout("backend stopped sending mid-stream")
         ex.error = "backend_timeout"
@@ -502,9 +505,12 @@ async def _relay_stream(
         tail.append(anthropic_sse_error_event(failure) if anthropic else sse_error_event(failure))
         upstream.close()
     limit = ex.send_timeout_s
-    if (tail and not await _write(request, resp, b"".join(tail), limit)) or not await _write(
-        request, resp, None, limit
-    ):
+    if tail:
+        if not await _write(request, resp, b"".join(tail), limit):
+            _client_gone(ex, upstream)
+            return resp
+        body_started = True
+    if not await _write(request, resp, None, limit, body_started=body_started):
         _client_gone(ex, upstream)
         return resp
     obs.t_end = monotonic()
@@ -512,9 +518,15 @@ async def _relay_stream(
 
 
 async def _write(
-    request: web.Request, resp: web.StreamResponse, data: bytes | None, limit_s: float | None
+    request: web.Request,
+    resp: web.StreamResponse,
+    data: bytes | None,
+    limit_s: float | None,
+    *,
+    body_started: bool = False,
 ) -> bool:
-    """Write to the client (``None``: end the body); False when the client has gone away.
+    """Write to the client (``None``: end the body; ``body_started``: some of it was written,
+    so the head has gone out with it); False when the client has gone away.
 
     A client that stays connected but stops reading would hold its backend request (a slot)
     forever: backpressure stops the relay, not the backend's work. When a write is not
@@ -522,15 +534,21 @@ async def _write(
     the client gone, so the caller closes the upstream request.
     """
     transport = request.transport
+    size = _LAST_CHUNK if data is None else len(data)
     if (
-        data is not None
+        (data is not None or body_started)
         and transport is not None
-        and transport.get_write_buffer_size() + len(data) <= transport.get_write_buffer_limits()[0]
+        and transport.get_write_buffer_size() + size <= transport.get_write_buffer_limits()[0]
     ):
         # Below the low-water mark the transport is not paused and this write cannot pause it,
-        # so it cannot wait (the common case): no deadline to set.
+        # so it cannot wait (the common case): no deadline to set. Nor can the end of a body
+        # already under way (its head is out): it is the last chunk's 5 bytes (the answer is
+        # never compressed).
         try:
-            await resp.write(data)
+            if data is None:
+                await resp.write_eof()
+            else:
+                await resp.write(data)
         except ConnectionResetError:
             return False
         return True
@@ -547,6 +565,10 @@ async def _write(
             request.transport.abort()
         return False
     return True
+
+
+_LAST_CHUNK = len(b"0\r\n\r\n")
+"""What ending a chunked body writes."""
 
 
 def _client_gone(ex: Exchange, upstream: aiohttp.ClientResponse) -> None:
