@@ -106,6 +106,58 @@ def cpu_per_request(
     }
 
 
+def side_by_side(args: argparse.Namespace) -> int:
+    """This tree's prefixgate and another installation's (``--against``) under the same load at
+    the same time: each gets ``--concurrency`` streams from one load generator, in front of one
+    fake backend, so whatever else the machine runs weighs on both alike."""
+    bodies = salted_bodies(args.prompt_bytes, 16)
+    with tempfile.TemporaryDirectory(prefix="pg-prof-") as tmp, ExitStack() as stack:
+        workdir = Path(tmp)
+        fake = stack.enter_context(procs.start_fake(workdir, slots=args.fake_slots))
+        extra = args.extra.split()
+        proxies = {
+            "this tree": stack.enter_context(
+                procs.start_prefixgate(workdir, fake.url, name="pg-this", extra=extra)
+            ),
+            "against": stack.enter_context(
+                procs.start_prefixgate(
+                    workdir, fake.url, name="pg-against", extra=extra, command=[args.against]
+                )
+            ),
+        }
+        urls = {k: p.url + loadgen.CHAT_PATH for k, p in proxies.items()}
+
+        async def load(
+            concurrency: int, seconds: float | None, requests: int | None
+        ) -> list[tuple[list[loadgen.Result], loadgen.Window]]:
+            return await asyncio.gather(
+                *(
+                    loadgen.closed_loop(
+                        url,
+                        bodies,
+                        concurrency=concurrency,
+                        duration_s=seconds,
+                        requests=requests,
+                        id_prefix=f"ab{i}",
+                    )
+                    for i, url in enumerate(urls.values())
+                )
+            )
+
+        asyncio.run(load(min(args.concurrency, 8), None, 64))
+        cpu0 = {k: cpu_seconds(p.popen.pid) for k, p in proxies.items()}
+        runs = asyncio.run(load(args.concurrency, args.seconds, None))
+        for (name, proxy), (results, window) in zip(proxies.items(), runs, strict=True):
+            cpu = cpu_seconds(proxy.popen.pid) - cpu0[name]
+            summary = loadgen.summarize(results, window, loadgen.Slo())
+            print(
+                f"{name}: {args.concurrency} streams, {summary['rps']} req/s, TTFT p50 "
+                f"{summary['ttft_ms']['p50']} ms, proxy CPU {1000 * cpu / len(results):.3f} "
+                f"ms/request, errors {summary['errors']}"
+            )
+    return 0
+
+
 def size_table(args: argparse.Namespace) -> int:
     """Prefixgate against the relay, one stream at a time, at each of ``--sizes``."""
     sizes = [int(x) for x in args.sizes.split(",") if x]
@@ -179,11 +231,18 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="comma-separated prompt sizes in bytes: a linearity table against the relay",
     )
+    parser.add_argument(
+        "--against",
+        default="",
+        help="another installation's prefixgate (a path): both measured side by side, at once",
+    )
     parser.add_argument("--extra", default="", help="more `prefixgate serve` flags")
     parser.add_argument("--out", default=str(procs.BENCH / "results" / "profile.txt"))
     args = parser.parse_args(argv)
     if args.sizes:
         return size_table(args)
+    if args.against:
+        return side_by_side(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     bodies = salted_bodies(args.prompt_bytes, 16)
