@@ -117,7 +117,13 @@ def side_by_side(args: argparse.Namespace) -> int:
         extra = args.extra.split()
         proxies = {
             "this tree": stack.enter_context(
-                procs.start_prefixgate(workdir, fake.url, name="pg-this", extra=extra)
+                procs.start_prefixgate(
+                    workdir,
+                    fake.url,
+                    name="pg-this",
+                    extra=extra,
+                    command=[args.this] if args.this else None,
+                )
             ),
             "against": stack.enter_context(
                 procs.start_prefixgate(
@@ -235,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         "--against",
         default="",
         help="another installation's prefixgate (a path): both measured side by side, at once",
+    )
+    parser.add_argument(
+        "--this",
+        default="",
+        help="with --against: the first one's prefixgate (a path; default: this installation's)",
     )
     parser.add_argument("--extra", default="", help="more `prefixgate serve` flags")
     parser.add_argument("--out", default=str(procs.BENCH / "results" / "profile.txt"))
