@@ -415,7 +415,8 @@ class StreamInspector:
         obs = self.ex.obs
         if self._held is not None or obs.t_first_visible is None:
             return False
-        if plain_token_event(chunk, self.ex.route):
+        if b"\r" not in chunk and plain_token_event(chunk, self.ex.route):
+            # One event, unless a "\r\r" inside is a separator the splitter would cut at.
             events = 1
         else:
             events = plain_token_run(chunk, self.ex.route)

@@ -190,6 +190,16 @@ mostly_plain = st.one_of(
 separators = st.sampled_from([b"\n\n", b"\n\n", b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\n\n"])
 
 
+def test_a_read_cut_by_a_carriage_return_pair_is_two_events() -> None:
+    """A read whose only line feed ends it but that holds a "\r\r" is two events to the
+    splitter (two tokens), not one plain event."""
+    first = chat_chunk({"content": "a"})[:-2] + b"\r\r"
+    read = first + chat_chunk({"content": "b"})
+    obs, out = relay_chunks([read], CHAT, "llamacpp", first_visible=0.5)
+    assert obs.token_events == 2
+    assert b"".join(out) == read
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(st.tuples(mostly_plain, separators), max_size=16),
