@@ -459,11 +459,15 @@ def start_prefixgate(
     redis_url: str | None = None,
     name: str = "prefixgate",
     extra: Sequence[str] = (),
+    command: Sequence[str] | None = None,
 ) -> Proc:
-    """``prefixgate serve`` in front of ``backend_url``; records in ``extra_files['records']``."""
+    """``prefixgate serve`` in front of ``backend_url``; records in ``extra_files['records']``.
+
+    ``command``: another installation's ``prefixgate`` (another worktree's, to compare two)."""
     port, admin_port = free_port(), free_port()
     records = workdir / f"{name}-records.jsonl"
-    args = [*prefixgate_command(), "serve", "--backend", backend_url, "--port", str(port)]
+    args = [*(command or prefixgate_command()), "serve", "--backend", backend_url]
+    args += ["--port", str(port)]
     args += ["--admin-port", str(admin_port), "--log-file", str(records)]
     if redis_url:
         args += ["--redis-url", redis_url]

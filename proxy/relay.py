@@ -301,11 +301,54 @@ def plain_token_event(event: bytes, route: str) -> bool:
     for key in _NEWS:
         if key in event:
             return False
+    return _carries_token(event, patterns)
+
+
+def _carries_token(event: bytes, patterns: tuple[bytes, ...]) -> bool:
+    """Whether a token key of ``patterns`` in ``event`` has a non-empty value."""
     for pattern in patterns:
         at = event.find(pattern)
         if at >= 0 and event[at + len(pattern) : at + len(pattern) + 1] not in (b'"', b"]"):
             return True
     return False
+
+
+def plain_token_run(chunk: bytes, route: str) -> int:
+    """How many events ``chunk`` holds when it is whole events, each of which
+    ``plain_token_event`` would pass; else 0.
+
+    Under load one upstream read often carries several token events. A chunk without ``\r``
+    that ends in a blank line splits into exactly the events the ``EventSplitter`` would cut
+    (``\n\n`` is then the only separator), so the events are checked in place, and the keys no
+    plain event may hold are searched once over the whole chunk (none of them contains a line
+    break, so none can span two events).
+    """
+    if b"\r" in chunk or not chunk.endswith(b"\n\n"):
+        return 0
+    for key in _NEWS:
+        if key in chunk:
+            return 0
+    parts = chunk.split(b"\n\n")
+    parts.pop()  # what follows the last separator: nothing
+    api = _API_TOKENS.get(route)
+    if api is not None:
+        for part in parts:
+            if not _plain_api_event(part + b"\n\n", *api):
+                return 0
+        return len(parts)
+    if chunk.count(b"\n") != 2 * len(parts):
+        return 0  # an event of more than one line (each ends in two line breaks)
+    if route == NATIVE_COMPLETION:
+        marker, patterns = b'"stop":false', _NATIVE_TOKENS
+    else:
+        marker = b'"finish_reason":null'
+        patterns = _TEXT_TOKENS if route == COMPLETIONS else _CHAT_TOKENS
+    for part in parts:
+        if not part.startswith(b"data: {") or marker not in part:
+            return 0
+        if not _carries_token(part, patterns):
+            return 0
+    return len(parts)
 
 
 class StreamInspector:
@@ -364,18 +407,23 @@ class StreamInspector:
         out.append(event)
 
     def plain_chunk(self, chunk: bytes, now: float) -> bool:
-        """Whether ``chunk`` (a whole upstream read) is one plain token event; counted if so.
+        """Whether ``chunk`` (a whole upstream read) is one plain token event, or several
+        (``plain_token_run``); counted if so.
 
         The relay then forwards it as it is, without splitting it into events first.
         """
         obs = self.ex.obs
-        if (
-            self._held is not None
-            or obs.t_first_visible is None
-            or not plain_token_event(chunk, self.ex.route)
-        ):
+        if self._held is not None or obs.t_first_visible is None:
             return False
-        self._count_token(now)
+        if b"\r" not in chunk and plain_token_event(chunk, self.ex.route):
+            # One event, unless a "\r\r" inside is a separator the splitter would cut at.
+            events = 1
+        else:
+            events = plain_token_run(chunk, self.ex.route)
+            if not events:
+                return False
+        obs.t_last_token = now
+        obs.token_events += events
         return True
 
     def _count_token(self, now: float) -> None:
@@ -419,6 +467,7 @@ async def _relay_stream(
     inspector = StreamInspector(ex)
     obs = ex.obs
     failure: ProxyError | None = None
+    body_started = False
     try:
         async for chunk in upstream.content.iter_any():
             now = monotonic()
@@ -430,9 +479,11 @@ async def _relay_stream(
                     inspector.process(event, now, out)
                 data = b"".join(out)
             obs.inspect_s += monotonic() - now
-            if data and not await _write(request, resp, data, ex.send_timeout_s):
-                _client_gone(ex, upstream)
-                return resp
+            if data:
+                if not await _write(request, resp, data, ex.send_timeout_s):
+                    _client_gone(ex, upstream)
+                    return resp
+                body_started = True
     except TimeoutError:
         failure = BackendTimeout("backend stopped sending mid-stream")
         ex.error = "backend_timeout"
@@ -455,9 +506,12 @@ async def _relay_stream(
         tail.append(anthropic_sse_error_event(failure) if anthropic else sse_error_event(failure))
         upstream.close()
     limit = ex.send_timeout_s
-    if (tail and not await _write(request, resp, b"".join(tail), limit)) or not await _write(
-        request, resp, None, limit
-    ):
+    if tail:
+        if not await _write(request, resp, b"".join(tail), limit):
+            _client_gone(ex, upstream)
+            return resp
+        body_started = True
+    if not await _write(request, resp, None, limit, body_started=body_started):
         _client_gone(ex, upstream)
         return resp
     obs.t_end = monotonic()
@@ -465,9 +519,15 @@ async def _relay_stream(
 
 
 async def _write(
-    request: web.Request, resp: web.StreamResponse, data: bytes | None, limit_s: float | None
+    request: web.Request,
+    resp: web.StreamResponse,
+    data: bytes | None,
+    limit_s: float | None,
+    *,
+    body_started: bool = False,
 ) -> bool:
-    """Write to the client (``None``: end the body); False when the client has gone away.
+    """Write to the client (``None``: end the body; ``body_started``: some of it was written,
+    so the head has gone out with it); False when the client has gone away.
 
     A client that stays connected but stops reading would hold its backend request (a slot)
     forever: backpressure stops the relay, not the backend's work. When a write is not
@@ -475,15 +535,21 @@ async def _write(
     the client gone, so the caller closes the upstream request.
     """
     transport = request.transport
+    size = _LAST_CHUNK if data is None else len(data)
     if (
-        data is not None
+        (data is not None or body_started)
         and transport is not None
-        and transport.get_write_buffer_size() + len(data) <= transport.get_write_buffer_limits()[0]
+        and transport.get_write_buffer_size() + size <= transport.get_write_buffer_limits()[0]
     ):
         # Below the low-water mark the transport is not paused and this write cannot pause it,
-        # so it cannot wait (the common case): no deadline to set.
+        # so it cannot wait (the common case): no deadline to set. Nor can the end of a body
+        # already under way (its head is out): it is the last chunk's 5 bytes (the answer is
+        # never compressed).
         try:
-            await resp.write(data)
+            if data is None:
+                await resp.write_eof()
+            else:
+                await resp.write(data)
         except ConnectionResetError:
             return False
         return True
@@ -500,6 +566,10 @@ async def _write(
             request.transport.abort()
         return False
     return True
+
+
+_LAST_CHUNK = len(b"0\r\n\r\n")
+"""What ending a chunked body writes."""
 
 
 def _client_gone(ex: Exchange, upstream: aiohttp.ClientResponse) -> None:

@@ -32,7 +32,18 @@ class EventSplitter:
     def feed(self, chunk: bytes) -> Iterator[bytes]:
         """Yield every event completed by ``chunk``; keep the unfinished tail."""
         buf = self._buf
-        if not buf:  # the common case: events arrive whole, nothing is carried over
+        if not buf and b"\r" not in chunk:
+            # The commonest case: nothing carried over and only "\n" line ends, so "\n\n" is
+            # the one separator and a plain split cuts exactly where the pattern would.
+            events = chunk.split(b"\n\n")
+            rest = events.pop()
+            for event in events:
+                yield event + b"\n\n"
+            if rest:
+                buf += rest
+            self._scanned = len(buf)
+            return
+        if not buf:  # events arrive whole, nothing is carried over
             pos = 0
             for m in _BOUNDARY.finditer(chunk):
                 yield chunk[pos : m.end()]

@@ -24,8 +24,19 @@ How it is wired, and what it leans on (aiohttp >= 3.13, < 4):
 - ``ResponseHandler.data_received`` (asyncio's ``Protocol`` method) is overridden, and calls
   aiohttp's own with the bytes that are the response.
 - ``UpstreamConnector`` is a ``TCPConnector`` whose protocol factory builds the subclass: the
-  factory is the connector's ``_factory`` attribute, the one private name used here.
+  factory is the connector's ``_factory`` attribute.
   ``tests/unit/test_upstream.py`` fails at once if a future aiohttp stops calling it.
+
+The between-bytes timeout (``sock_read``, the proxy's idle limit) is re-armed lazily. aiohttp
+cancels its timer and schedules a new one on every read from the backend: a streamed answer's
+every token event costs a timer handle, a push onto the event loop's heap and a cancelled
+entry there. ``BodilessAwareHandler`` keeps the same deadline (``sock_read`` seconds after the
+latest read) as a number instead: each read moves the deadline, and the one timer, when it
+comes due early, re-arms itself for the deadline as it stands. The timeout fires when it did,
+at most a loop turn later. This overrides ``ResponseHandler._reschedule_timeout`` (called on
+each read, on ``start_timeout`` and on ``resume_reading``) and reads ``_read_timeout`` and
+``_read_timeout_handle``, which aiohttp's ``_drop_timeout`` cancels and clears as before; the
+tests there fail if aiohttp stops calling it or renames them.
 """
 
 from __future__ import annotations
@@ -75,6 +86,32 @@ class BodilessAwareHandler(ResponseHandler):
         self._head_next = False
         self._head_request = False
         self._discarding = False
+        self._read_deadline = 0.0
+
+    def _reschedule_timeout(self) -> None:
+        """Data arrived (or reading starts again): the idle deadline moves ``sock_read`` seconds
+        on; the timer already armed stays, and re-arms itself when it comes due early."""
+        timeout = self._read_timeout
+        handle = self._read_timeout_handle
+        if not timeout:
+            if handle is not None:
+                handle.cancel()
+                self._read_timeout_handle = None
+            return
+        deadline = self._loop.time() + timeout
+        self._read_deadline = deadline
+        if handle is None or handle.when() > deadline:  # none armed, or armed for later
+            if handle is not None:
+                handle.cancel()
+            self._read_timeout_handle = self._loop.call_at(deadline, self._read_timer_due)
+
+    def _read_timer_due(self) -> None:
+        deadline = self._read_deadline
+        if deadline > self._loop.time():  # data came since it was armed: wait for the rest
+            self._read_timeout_handle = self._loop.call_at(deadline, self._read_timer_due)
+            return
+        self._read_timeout_handle = None
+        self._on_read_timeout()
 
     def set_response_params(self, **kwargs: Any) -> None:
         super().set_response_params(**kwargs)

@@ -42,16 +42,25 @@ async def read_body(request: web.Request, limit: int, *, idle_s: float | None = 
         raise PayloadTooLarge(f"request body is {request.content_length} bytes; limit {limit}")
     chunks: list[bytes] = []
     size = 0
+    content = request.content
+    loop = asyncio.get_running_loop()
     try:
-        while True:
-            async with asyncio.timeout(idle_s):
-                chunk = await request.content.readany()
-            if not chunk:
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # one copy at most
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        # One deadline, moved on by every piece. The pieces are the reads as they arrived
+        # (``readchunk``; ``readany`` would join what is buffered first), joined once at the end.
+        async with asyncio.timeout(idle_s) as silence:
+            while True:
+                chunk, boundary = await content.readchunk()
+                if not chunk:
+                    if boundary:  # the end of one piece of a chunked body: more may follow
+                        continue
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+                if idle_s is not None:
+                    silence.reschedule(loop.time() + idle_s)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # one copy at most
     except TimeoutError as exc:
         raise RequestTimeout(f"no part of the request body arrived for {idle_s:g} s") from exc
     except (web.RequestPayloadError, HttpProcessingError) as exc:  # bad chunking or encoding

@@ -39,3 +39,28 @@ def test_a_chain_longer_than_capacity_leaves_what_touching_every_block_leaves() 
             assert list(index.blocks) == list(expected)
 
     asyncio.run(run())
+
+
+def test_a_chain_recorded_again_leaves_what_touching_every_block_leaves() -> None:
+    """A request's blocks are recorded when it is claimed and again when it has ended, often
+    all of them already there: that case takes a shortcut, with the same result (repeated
+    hashes in a chain included)."""
+    rng = random.Random(11)
+
+    async def run() -> None:
+        store = EmbeddedStore()
+        expected: OrderedDict[int, None] = OrderedDict()
+        chains: list[list[int]] = []
+        for _ in range(400):
+            if chains and rng.random() < 0.6:
+                hashes = rng.choice(chains)  # recorded again
+            else:
+                hashes = [rng.randrange(80) for _ in range(rng.randint(1, 30))]
+                chains.append(hashes)
+            capacity = rng.randint(40, 90)  # above a chain's length: none is cut short
+            await store.record_prefix("default", "r", hashes, capacity)
+            expected = _reference(expected, hashes, capacity)
+            index = store._indexes[("default", "r")]
+            assert list(index.blocks) == list(expected)
+
+    asyncio.run(run())

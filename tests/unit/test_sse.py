@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.sse import EventSplitter, event_data
+from proxy.sse import _BOUNDARY, EventSplitter, event_data
 
 STREAM = (
     b":\n\n"
@@ -63,3 +63,28 @@ def test_event_data() -> None:
     assert event_data(b":\n\n") is None
     assert event_data(b": data is coming\n\n") is None
     assert event_data(b"id: 3\n\n") is None
+
+
+def reference_split(stream: bytes) -> tuple[list[bytes], bytes]:
+    """Every event by the separator pattern alone, over the whole stream at once."""
+    events, pos = [], 0
+    for m in _BOUNDARY.finditer(stream):
+        events.append(stream[pos : m.end()])
+        pos = m.end()
+    return events, stream[pos:]
+
+
+pieces = st.lists(
+    st.sampled_from([b"data: x", b"\n", b"\n\n", b"\r", b"\r\n", b":", b"{}", b"\n\n\n"]),
+    max_size=30,
+)
+
+
+@given(pieces, st.lists(st.integers(min_value=0, max_value=120), max_size=8))
+def test_any_stream_any_cut_splits_as_the_pattern_does(parts: list[bytes], cuts: list[int]) -> None:
+    """Whatever the line ends (the split shortcut for "\n" only, the pattern otherwise) and
+    wherever the reads are cut, the events are those the separator pattern finds."""
+    stream = b"".join(parts)
+    points = sorted({min(c, len(stream)) for c in cuts})
+    bounds = zip([0, *points], [*points, len(stream)], strict=True)
+    assert split_all([stream[a:b] for a, b in bounds]) == reference_split(stream)

@@ -14,7 +14,8 @@ import proxy.relay as relay
 from proxy.backends import DIALECTS
 from proxy.backends.base import CHAT, COMPLETIONS, NATIVE_COMPLETION
 from proxy.records import Observation
-from proxy.relay import Exchange, StreamInspector, plain_token_event
+from proxy.relay import Exchange, StreamInspector, plain_token_event, plain_token_run
+from proxy.sse import EventSplitter
 
 
 def sse(obj: Any) -> bytes:
@@ -134,3 +135,131 @@ def test_shortcut_observes_what_parsing_does(events: list[bytes], dialect: str) 
     fast = observe(stream, CHAT, dialect, shortcut=True)
     slow = observe(stream, CHAT, dialect, shortcut=False)
     assert fast == slow
+
+
+def relay_chunks(
+    chunks: list[bytes], route: str, dialect: str, *, first_visible: float | None = None
+) -> tuple[Observation, list[bytes]]:
+    """The relay's own loop over upstream reads (``proxy.relay._relay_stream``): a read that is
+    nothing but plain token events is counted and forwarded whole, anything else is split."""
+    ex = Exchange(
+        request_id="r",
+        route=route,
+        upstream_path=route,
+        obs=Observation(t_start=0.0, t_first_token=first_visible, t_first_visible=first_visible),
+        dialect=DIALECTS[dialect](),
+        strip_usage=True,
+    )
+    inspector, splitter = StreamInspector(ex), EventSplitter()
+    out: list[bytes] = []
+    for i, chunk in enumerate(chunks):
+        now = float(i + 1)
+        if not splitter.pending and inspector.plain_chunk(chunk, now):
+            out.append(chunk)
+            continue
+        for event in splitter.feed(chunk):
+            inspector.process(event, now, out)
+    inspector.finish(out)
+    rest = splitter.flush()
+    if rest:
+        out.append(rest)
+    ex.obs.inspect_s = 0.0
+    return ex.obs, out
+
+
+def test_a_run_of_plain_events() -> None:
+    events = [chat_chunk({"content": t}) for t in ("a", "b", "c")]
+    assert plain_token_run(b"".join(events), CHAT) == 3
+    assert plain_token_run(events[0], CHAT) == 1
+    assert plain_token_run(b"".join([*events, chat_chunk({}, finish="stop")]), CHAT) == 0
+    assert plain_token_run(b"".join([*events, b": ping\n\n"]), CHAT) == 0
+    assert plain_token_run(b"".join(events)[:-1], CHAT) == 0  # the last one unfinished
+    assert plain_token_run(events[0].replace(b"\n\n", b"\r\n\r\n") + events[1], CHAT) == 0
+    text = sse({"choices": [{"text": "lo", "index": 0, "finish_reason": None}], "model": "m"})
+    assert plain_token_run(text * 2, COMPLETIONS) == 2
+    native = sse({"content": "lo", "stop": False, "id_slot": 0, "tokens": []})
+    assert plain_token_run(native * 3, NATIVE_COMPLETION) == 3
+    assert plain_token_run(native + sse({"content": "", "stop": False}), NATIVE_COMPLETION) == 0
+
+
+mostly_plain = st.one_of(
+    st.builds(lambda t: chat_chunk({"content": t}), texts),
+    st.builds(lambda t: chat_chunk({"reasoning_content": t}), texts),
+    chunks,
+)
+separators = st.sampled_from([b"\n\n", b"\n\n", b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\n\n"])
+
+
+def test_a_read_cut_by_a_carriage_return_pair_is_two_events() -> None:
+    """A read whose only line feed ends it but that holds a "\r\r" is two events to the
+    splitter (two tokens), not one plain event."""
+    first = chat_chunk({"content": "a"})[:-2] + b"\r\r"
+    read = first + chat_chunk({"content": "b"})
+    obs, out = relay_chunks([read], CHAT, "llamacpp", first_visible=0.5)
+    assert obs.token_events == 2
+    assert b"".join(out) == read
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(mostly_plain, separators), max_size=16),
+    st.lists(st.integers(min_value=0, max_value=18), max_size=8),
+    st.lists(st.integers(min_value=0, max_value=400), max_size=3),
+    st.sampled_from(["llamacpp", "vllm", "openai"]),
+)
+def test_reads_of_several_events_observe_what_parsing_does(
+    events: list[tuple[bytes, bytes]], between: list[int], cuts: list[int], dialect: str
+) -> None:
+    """However the stream is cut into reads (several whole events each, or cut mid-event),
+    the relay observes and forwards what parsing every event one by one does."""
+    pieces = [event[:-2] + sep for event, sep in events]
+    stream = b"".join(pieces) + usage_event + b"data: [DONE]\n\n"
+    ends = [sum(len(p) for p in pieces[: i + 1]) for i in range(len(pieces))]
+    at = {ends[i] for i in between if i < len(ends)}  # reads of whole events
+    at |= {min(c * 7, len(stream)) for c in cuts}  # and reads cut anywhere
+    points = sorted(at)
+    bounds = zip([0, *points], [*points, len(stream)], strict=True)
+    reads = [stream[a:b] for a, b in bounds if b > a]
+    for first_visible in (None, 0.5):  # from the stream's start, or a stream already under way
+        fast = relay_chunks(reads, CHAT, dialect, first_visible=first_visible)
+        ex_events = list(EventSplitter().feed(stream))
+        obs = Observation(t_start=0.0, t_first_token=first_visible, t_first_visible=first_visible)
+        ex = Exchange(
+            request_id="r",
+            route=CHAT,
+            upstream_path=CHAT,
+            obs=obs,
+            dialect=DIALECTS[dialect](),
+            strip_usage=True,
+        )
+        inspector = StreamInspector(ex)
+        out: list[bytes] = []
+        saved = relay.plain_token_event
+        relay.plain_token_event = lambda event, route: False
+        try:
+            # Every event of a read is seen at that read's time.
+            ends, at = [], 0
+            for read in reads:
+                at += len(read)
+                ends.append(at)
+            pos = 0
+            for event in ex_events:
+                pos += len(event)
+                read_no = next(i for i, end in enumerate(ends) if end >= pos)
+                inspector.process(event, float(read_no + 1), out)
+            inspector.finish(out)
+        finally:
+            relay.plain_token_event = saved
+        obs.inspect_s = 0.0
+        assert fast[0] == obs
+        assert b"".join(fast[1]) == b"".join(out)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(mostly_plain, separators), min_size=1, max_size=8))
+def test_plain_token_run_is_every_event_plain(events: list[tuple[bytes, bytes]]) -> None:
+    chunk = b"".join(event[:-2] + sep for event, sep in events)
+    split = list(EventSplitter().feed(chunk))
+    whole = b"\r" not in chunk and b"".join(split) == chunk
+    expected = len(split) if whole and all(plain_token_event(e, CHAT) for e in split) else 0
+    assert plain_token_run(chunk, CHAT) == expected

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
 
-from proxy.upstream import bodiless_head_end, upstream_session
+from proxy.upstream import BodilessAwareHandler, bodiless_head_end, upstream_session
 
 HEAD_204 = b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n"
 
@@ -51,3 +52,66 @@ async def test_the_pool_reads_what_plain_aiohttp_refuses() -> None:
                     await resp.read()
         async with upstream_session() as session, session.get(url) as resp:
             assert resp.status == 204 and await resp.read() == b""
+
+
+def dribbler(
+    pieces: int, every_s: float, stall: asyncio.Event | None = None
+) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    """A server answering with a chunked body: ``pieces`` chunks ``every_s`` apart, then (with
+    ``stall``) silence until the event is set, then the end."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for _ in range(pieces):
+                writer.write(b"1\r\nx\r\n")
+                await writer.drain()
+                await asyncio.sleep(every_s)
+            if stall is not None:
+                await stall.wait()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    return answer
+
+
+async def test_the_idle_timeout_moves_with_each_read() -> None:
+    """A stream whose reads come faster than ``sock_read`` never times out, however long it
+    runs (the one timer re-arms itself for the moved deadline); silence longer than it does, at
+    ``sock_read`` after the latest read."""
+    due: list[float] = []
+    saved = BodilessAwareHandler._read_timer_due
+
+    def spy(self: BodilessAwareHandler) -> None:
+        due.append(asyncio.get_running_loop().time())
+        saved(self)
+
+    BodilessAwareHandler._read_timer_due = spy  # type: ignore[method-assign]
+    try:
+        timeout = aiohttp.ClientTimeout(sock_read=0.2)
+        server = await asyncio.start_server(dribbler(12, 0.05), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+        async with server, upstream_session() as session, session.get(url, timeout=timeout) as r:
+            assert await r.read() == b"x" * 12  # 0.6 s in all: three timeouts' worth
+        assert due, "aiohttp no longer calls ResponseHandler._reschedule_timeout"
+        stall = asyncio.Event()
+        server = await asyncio.start_server(dribbler(3, 0.02, stall), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+        loop = asyncio.get_running_loop()
+        async with server, upstream_session() as session, session.get(url, timeout=timeout) as r:
+            chunks, last = 0, loop.time()
+            with pytest.raises(aiohttp.SocketTimeoutError):
+                async for _ in r.content.iter_any():
+                    chunks, last = chunks + 1, loop.time()
+            waited = loop.time() - last
+            stall.set()
+            await asyncio.sleep(0.05)  # the server's handler ends and closes its side
+        assert chunks >= 1
+        assert 0.18 <= waited < 0.5
+    finally:
+        BodilessAwareHandler._read_timer_due = saved  # type: ignore[method-assign]
