@@ -129,6 +129,8 @@ class SlotTable:
         self.recent = RecentPrompts(RECENT_STATES)
         """The latest prompts sent, whether the server still holds them or not."""
         self.detect_unified = detect_unified
+        self._choosing = False
+        self._live: tuple[float, float] | None = None
         self._emptied_seen = 0
         """Whether ``/slots`` showing idle slots emptied may switch the model to unified KV."""
 
@@ -205,8 +207,12 @@ class SlotTable:
     ) -> SlotChoice:
         """The slot ``req`` is expected to end soonest on (``_choose``)."""
         query = req.query()
-        with self.counter.scope(query):
-            return self._choose(req, query, rates, now, useful_tokens=useful_tokens)
+        self._choosing, self._live = True, None  # live_conversations(now), once per choice
+        try:
+            with self.counter.scope(query):
+                return self._choose(req, query, rates, now, useful_tokens=useful_tokens)
+        finally:
+            self._choosing, self._live = False, None
 
     def _choose(
         self,
@@ -336,6 +342,8 @@ class SlotTable:
         """Prompts sent lately that no later request has continued yet: the conversations
         the slots are asked to hold at once, each weighed by how likely its application is to
         continue. Lately: within twice the prompt's own pace when it has one, else a minute."""
+        if self._choosing and self._live is not None and self._live[0] == now:
+            return self._live[1]
         live = 0.0
         for state in self.recent:
             if state.continued:
@@ -343,6 +351,8 @@ class SlotTable:
             horizon = 2.0 * state.gap_s if state.gap_s else 60.0
             if now - state.t_used <= horizon:
                 live += self.continuations.rate(state)  # a one-shot question weighs little
+        if self._choosing:
+            self._live = (now, live)
         return live
 
     def _capped(self, tokens: float) -> float:
