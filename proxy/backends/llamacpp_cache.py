@@ -280,10 +280,10 @@ class TokenCounter:
             # segment agrees), so one tenant's bytes never predict another's.
             parts = _parting(sfp, qfp, query.data, blocks) if segs else None
             exact = parts is not None and parts > seg_end
-            past = 0.0
+            key: int | None
             if parts is not None and exact:  # found to the byte, inside a segment
-                key: int | None = None
-                shared_bytes = float(parts)
+                key = qfp.segment_hashes[segs - 1]
+                boundary, shared_bytes = float(seg_end), float(parts)
             elif parts is None and block_end > seg_end + qfp.block_bytes:
                 # The match runs on inside a segment and parts somewhere in the next block (or
                 # the shorter one's tail): take its middle, which halves the expected error of
@@ -292,29 +292,29 @@ class TokenCounter:
                 room = min(
                     qfp.block_bytes, qfp.total_bytes - block_end, sfp.total_bytes - block_end
                 )
-                shared_bytes = block_end + max(room, 0) / 2.0
-                past = (shared_bytes - block_end) * density
+                boundary, shared_bytes = float(block_end), block_end + max(room, 0) / 2.0
             else:
                 key = qfp.segment_hashes[segs - 1] if segs else None
-                shared_bytes = float(max(seg_end, block_end))
+                boundary = shared_bytes = float(max(seg_end, block_end))
+            # Two ways to count what lies past the last boundary both share: forward from the
+            # boundary's learned count, or back from the state's measured end (its text after
+            # the match, then the template's close of turn). The one estimating fewer bytes is
+            # taken.
+            past = (shared_bytes - boundary) * density
             learned = self.boundaries.get(key)
-            if learned is not None:
-                return Shared(learned + past, key=key, past_key=past)
-            if state.measured and shared_bytes > seg_end:
-                # Counted back from the state's measured end when less of it is left than
-                # shared: the state's text after the match, then the template's close of turn.
-                left = max(sfp.total_bytes - _END_LEN - shared_bytes, 0.0)
-                if left < shared_bytes:
-                    unshared = left * density
-                    if self.closing is not None:
-                        tokens = state.prompt_tokens - self.closing - unshared
-                        return Shared(
-                            max(tokens, 0.0), key, past_key=past, unshared=unshared, exact=exact
-                        )
-                    return Shared(
-                        shared_bytes * density, key, past_key=past, unshared=unshared, exact=exact
-                    )
-            return Shared(shared_bytes * density, key=key, past_key=past)
+            left = max(sfp.total_bytes - _END_LEN - shared_bytes, 0.0)
+            back = state.measured and shared_bytes > seg_end and left < shared_bytes
+            unshared = left * density if back else None
+            if learned is not None and not (
+                back and self.closing is not None and left < shared_bytes - boundary
+            ):
+                return Shared(learned + past, key, past_key=past, unshared=unshared, exact=exact)
+            if unshared is not None and self.closing is not None:
+                tokens = max(state.prompt_tokens - self.closing - unshared, 0.0)
+                return Shared(tokens, key, past_key=past, unshared=unshared, exact=exact)
+            return Shared(
+                shared_bytes * density, key, past_key=past, unshared=unshared, exact=exact
+            )
         blocks = common_blocks(query.hashes, state.hashes)
         if blocks and blocks == len(state.hashes) < len(query.hashes):
             answer = self.answer_reuse * max(state.generated - 1.0, 0.0)
