@@ -51,7 +51,9 @@ async def read_body(request: web.Request, limit: int, *, idle_s: float | None = 
             while True:
                 chunk, boundary = await content.readchunk()
                 if not chunk:
-                    if boundary:  # the end of one piece of a chunked body: more may follow
+                    # The end of one piece of a chunked body: more may follow. An empty body's
+                    # reader says the same forever, and is at its end.
+                    if boundary and not content.at_eof():
                         continue
                     break
                 chunks.append(chunk)

@@ -208,3 +208,23 @@ async def test_client_disconnect_closes_upstream(
     assert not llama_fake.finished.is_set()
     rec = await records.wait()
     assert (rec.status, rec.error) == (499, "client_disconnected")
+
+
+@pytest.mark.parametrize("length", [None, "0"])
+async def test_a_bodiless_request_is_answered_at_once(
+    llama_fake: LlamaFake, make_proxy: MakeProxy, length: str | None
+) -> None:
+    """A POST with no body at all (no Content-Length, or 0) gets its 400 at once: reading an
+    empty body must end (its reader reports the end of a piece forever)."""
+    client, _, _ = await make_proxy(llama_fake.url)
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    if length is not None:
+        head += f"Content-Length: {length}\r\n"
+    writer.write((head + "\r\n").encode())
+    await writer.drain()
+    try:
+        status = await asyncio.wait_for(reader.readline(), 5.0)
+    finally:
+        writer.close()
+    assert status.split()[1] == b"400", status
