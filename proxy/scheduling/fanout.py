@@ -35,6 +35,7 @@ from proxy.backends.slot_cache import CachedPrompt
 from proxy.records import monotonic
 from proxy.scheduling.rates import Rates
 from proxy.scheduling.slots import (
+    SLOT_COPY,
     SLOT_FANOUT,
     SLOT_HIT,
     SLOT_PLACE,
@@ -124,6 +125,59 @@ class FanOut:
             if best is None or tokens > best[2]:
                 best = (source, target, tokens)
         return best
+
+    async def seed(
+        self,
+        endpoint: SlotEndpoint,
+        table: SlotTable,
+        req: SlotRequest,
+        choice: SlotChoice,
+        task: SlotTask,
+        rates: Rates,
+        *,
+        min_tokens: float,
+    ) -> tuple[SlotChoice, float] | None:
+        """Copy the slot ``seed_source`` names into its target and place ``task`` there:
+        ``(the choice made, ms the request was held)``, or None when no copy is worth it
+        (``task`` is then still to be placed). When the save fails, or the slots changed while
+        it was made, the choice is made again and ``task`` placed by it. The whole copy holds
+        the copy lock: no other copy overwrites the snapshot between its save and restore."""
+        found = self.seed_source(table, choice, req, monotonic(), rates, min_tokens=min_tokens)
+        if found is None:
+            return None
+        source, target, tokens = found
+        content, copied = source.content, source.state
+        limit_s = self.copy_limit_s(source)
+        async with self.lock:
+            t0 = monotonic()
+            saved = await self.snapshot(endpoint, source.id, content, state=copied, limit_s=limit_s)
+            now = monotonic()
+            task.t_sent = now
+            if not (saved and target.idle(now) and target.state is None and source.state is copied):
+                again = table.choose(req, rates, now, useful_tokens=min_tokens)
+                task.uncached_tokens = again.uncached_tokens
+                table.place(task, again.slot, now, again.pick)
+                return again, (now - t0) * 1000.0
+            # The model holds the copy from now on, and the task is placed before the restore is
+            # awaited, so no other request takes the slot meanwhile.
+            target.state = copied
+            table.place(task, target.id, now)
+            filename = SNAPSHOT_FILE.format(slot=source.id)
+            restored = await endpoint.restore(target.id, filename, limit_s=limit_s)
+            now = monotonic()
+        if restored:
+            self.measured(copied.tokens if copied is not None else 0.0, now - t0)
+            reason = SLOT_COPY
+        else:
+            # It runs there all the same, from nothing (a failed restore clears the slot):
+            # nothing is learned from a match the model expected.
+            target.state = None
+            task.pick, task.shared = None, None
+            reason, tokens = SLOT_PLACE, 0.0
+        task.uncached_tokens = req.prompt_tokens - tokens
+        task.t_start = task.t_sent = now  # it reaches the server only now
+        made = SlotChoice(target.id, reason, tokens, task.uncached_tokens, choice.expected_end_s)
+        return made, (now - t0) * 1000.0
 
     def copy_limit_s(self, source: Slot) -> float:
         """How long one step of a seeding copy may take before it is given up."""

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
@@ -40,14 +40,12 @@ from proxy.log import get_logger
 from proxy.records import Observation, RequestRecord, monotonic
 from proxy.scheduling.coalesce import InflightPrefixes, Leader, wait_for_leader
 from proxy.scheduling.config import SchedulingConfig
-from proxy.scheduling.fanout import SNAPSHOT_FILE, FanOut
+from proxy.scheduling.fanout import FanOut
 from proxy.scheduling.rates import Rates
 from proxy.scheduling.slots import (
     SLOT_BUSY,
     SLOT_CLIENT,
-    SLOT_COPY,
     SLOT_FOREIGN,
-    SLOT_PLACE,
     SLOT_QUEUE,
     SLOT_REASONS,
     SLOT_UNPINNED,
@@ -443,59 +441,24 @@ class Scheduler:
         choice: SlotChoice,
         task: SlotTask,
     ) -> SlotChoice | None:
-        """Seed an idle slot with a copy of another one holding the request's prefix and place
-        ``task`` there (``fanout.FanOut.seed_source`` says when). Returns the choice made, or
-        None when no copy is worth it (``task`` is then still to be placed). When the save
-        fails, or the slots changed while it was made, the choice is made again and ``task``
-        placed by it. The whole copy holds the replica's copy lock: no other copy overwrites
-        the snapshot between its save and its restore."""
+        """Seed an idle slot with a copy of the one holding the request's prefix
+        (``FanOut.seed``); None when no copy is made and ``task`` is still to be placed."""
         endpoint = state.endpoint
         if endpoint is None or not endpoint.save_supported:
             return None
-        useful = float(self.config.min_prefix_tokens)
-        fanout = state.fanout
-        found = fanout.seed_source(table, choice, req, monotonic(), state.rates, min_tokens=useful)
-        if found is None:
+        seeded = await state.fanout.seed(
+            endpoint,
+            table,
+            req,
+            choice,
+            task,
+            state.rates,
+            min_tokens=float(self.config.min_prefix_tokens),
+        )
+        if seeded is None:
             return None
-        source, target, tokens = found
-        content, copied = source.content, source.state
-        limit_s = fanout.copy_limit_s(source)
-        async with fanout.lock:
-            t0 = monotonic()
-            saved = await fanout.snapshot(
-                endpoint, source.id, content, state=copied, limit_s=limit_s
-            )
-            now = monotonic()
-            ticket.held_ms = (now - t0) * 1000.0
-            task.t_sent = now
-            if not (saved and target.idle(now) and target.state is None and source.state is copied):
-                again = table.choose(req, state.rates, now, useful_tokens=useful)
-                task.uncached_tokens = again.uncached_tokens
-                table.place(task, again.slot, now, again.pick)
-                return again
-            # The model holds the copy from now on, and the task is placed before the restore is
-            # awaited, so no other request takes the slot meanwhile.
-            target.state = copied
-            table.place(task, target.id, now)
-            uncached = req.prompt_tokens - tokens
-            task.uncached_tokens = uncached
-            seeded = SlotChoice(target.id, SLOT_COPY, tokens, uncached, choice.expected_end_s)
-            filename = SNAPSHOT_FILE.format(slot=source.id)
-            restored = await endpoint.restore(target.id, filename, limit_s=limit_s)
-            now = monotonic()
-        if restored:
-            fanout.measured(copied.tokens if copied is not None else 0.0, now - t0)
-        else:
-            # It runs there all the same, from nothing (a failed restore clears the slot):
-            # nothing is learned from a match the model expected.
-            target.state = None
-            task.pick, task.shared = None, None
-            task.uncached_tokens = req.prompt_tokens
-            seeded = replace(seeded, reason=SLOT_PLACE, matched_tokens=0.0)
-            seeded = replace(seeded, uncached_tokens=req.prompt_tokens)
-        task.t_start = task.t_sent = now  # it reaches the server only now
-        ticket.held_ms = (now - t0) * 1000.0
-        return seeded
+        made, ticket.held_ms = seeded
+        return made
 
     # -- after the response --------------------------------------------------------------------
 
