@@ -8,16 +8,14 @@ from proxy.backends.llamacpp_cache import (
     SOURCE_NONE,
     SOURCE_RAM,
     SOURCE_SLOT,
-    CachedPrompt,
-    PromptQuery,
     RamCache,
     ServerRules,
     SlotView,
-    TokenCounter,
     launch,
     pick,
     restorable,
 )
+from proxy.backends.llamacpp_tokens import CachedPrompt, PromptQuery, TokenCounter
 from proxy.fingerprint import common_blocks, fingerprint, fingerprint_with_data, render
 from proxy.scheduling import Rates, SlotRequest, SlotTable, SlotTask
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.backends.llamacpp_cache import CachedPrompt, PromptQuery, TokenCounter
+from proxy.backends.llamacpp_tokens import CachedPrompt, PromptQuery, TokenCounter
 from proxy.fingerprint import fingerprint
 from proxy.scheduling.slot_state import RecentPrompts
 
