@@ -23,9 +23,10 @@ from rich.table import Table
 
 import proxy.relay as relay
 from proxy.backends import CHAT, MESSAGES, RESPONSES, LlamaCppDialect
+from proxy.exchange import Exchange
 from proxy.records import Observation
-from proxy.relay import Exchange, StreamInspector
 from proxy.sse import EventSplitter
+from proxy.stream_inspect import StreamInspector
 
 
 def event(name: str, data: object) -> bytes:

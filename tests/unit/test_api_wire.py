@@ -14,7 +14,7 @@ from proxy.errors import BadRequest, anthropic_error_body
 from proxy.fingerprint import fingerprint, render
 from proxy.prefixes import prefix_label
 from proxy.records import Observation
-from proxy.relay import plain_token_event
+from proxy.stream_inspect import plain_token_event
 from proxy.validation import validate_inference
 
 

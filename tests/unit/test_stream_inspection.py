@@ -10,12 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import proxy.relay as relay
+import proxy.stream_inspect as stream_inspect
 from proxy.backends import DIALECTS
 from proxy.backends.base import CHAT, COMPLETIONS, NATIVE_COMPLETION
+from proxy.exchange import Exchange
 from proxy.records import Observation
-from proxy.relay import Exchange, StreamInspector, plain_token_event, plain_token_run
 from proxy.sse import EventSplitter
+from proxy.stream_inspect import StreamInspector, plain_token_event, plain_token_run
 
 
 def sse(obj: Any) -> bytes:
@@ -91,16 +92,16 @@ def observe(
         strip_usage=True,
     )
     inspector = StreamInspector(ex)
-    saved = relay.plain_token_event
+    saved = stream_inspect.plain_token_event
     if not shortcut:
-        relay.plain_token_event = lambda event, route: False
+        stream_inspect.plain_token_event = lambda event, route: False
     try:
         out: list[bytes] = []
         for i, event in enumerate(events):
             inspector.process(event, float(i + 1), out)
         inspector.finish(out)
     finally:
-        relay.plain_token_event = saved
+        stream_inspect.plain_token_event = saved
     ex.obs.inspect_s = 0.0
     return ex.obs, out
 
@@ -234,8 +235,8 @@ def test_reads_of_several_events_observe_what_parsing_does(
         )
         inspector = StreamInspector(ex)
         out: list[bytes] = []
-        saved = relay.plain_token_event
-        relay.plain_token_event = lambda event, route: False
+        saved = stream_inspect.plain_token_event
+        stream_inspect.plain_token_event = lambda event, route: False
         try:
             # Every event of a read is seen at that read's time.
             ends, at = [], 0
@@ -249,7 +250,7 @@ def test_reads_of_several_events_observe_what_parsing_does(
                 inspector.process(event, float(read_no + 1), out)
             inspector.finish(out)
         finally:
-            relay.plain_token_event = saved
+            stream_inspect.plain_token_event = saved
         obs.inspect_s = 0.0
         assert fast[0] == obs
         assert b"".join(fast[1]) == b"".join(out)

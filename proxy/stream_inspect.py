@@ -1,0 +1,228 @@
+"""What the relay observes of a streamed answer, event by event, without rebuilding it.
+
+``StreamInspector`` timestamps the first token, the first visible token and the last token,
+reads usage and timings, and drops the usage-only event the proxy asked for on the client's
+behalf (moving llama.cpp's ``timings`` back onto the finishing event). ``plain_token_event`` and
+``plain_token_run`` recognise, from bytes alone, events whose only news is that a token arrived,
+so that most of a stream is never parsed. The relay (``proxy.relay``) owns the sockets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from proxy.backends import EventKind
+from proxy.backends.apis import MESSAGES, RESPONSES
+from proxy.backends.base import COMPLETIONS, NATIVE_COMPLETION
+from proxy.exchange import Exchange
+from proxy.sse import event_data
+
+# Byte patterns of a plain token event, one whose only news is that a token arrived. A pattern
+# with quotes can only occur in the raw JSON as a key (inside a string its quotes are escaped).
+_CHAT_TOKENS: tuple[bytes, ...] = (
+    b'"content":"',
+    b'"reasoning_content":"',
+    b'"reasoning":"',
+    b'"tool_calls":[',
+)
+_TEXT_TOKENS: tuple[bytes, ...] = (b'"text":"',)
+_NATIVE_TOKENS: tuple[bytes, ...] = (b'"content":"',)
+_NEWS = (b'"usage"', b'"timings"', b'"error"')
+"""Keys that make an event worth parsing: usage, timings or an error to read."""
+
+
+# The Responses and Messages APIs: an ``event:`` line, then the data line of a visible token.
+_API_TOKENS: dict[str, tuple[bytes, bytes, bytes]] = {
+    RESPONSES: (b"event: response.output_text.delta\ndata: {", b'"delta":"', b""),
+    MESSAGES: (b"event: content_block_delta\ndata: {", b'"text":"', b'"type":"text_delta"'),
+}
+
+
+def _plain_api_event(event: bytes, head: bytes, pattern: bytes, marker: bytes) -> bool:
+    if not event.startswith(head) or event.find(b"\n", len(head)) < len(event) - 2:
+        return False  # not exactly the event line and one data line ending in "\n\n"
+    if marker and marker not in event:
+        return False
+    for key in _NEWS:
+        if key in event:
+            return False
+    at = event.find(pattern)
+    return at >= 0 and event[at + len(pattern) : at + len(pattern) + 1] != b'"'
+
+
+def plain_token_event(event: bytes, route: str) -> bool:
+    """True when ``event`` is certainly one ``data:`` line carrying a token and nothing else.
+
+    Such events are most of a stream and need no parsing once the first visible token has been
+    timed: every other event (a finish reason, usage, timings, an error, several data lines,
+    anything unexpected) answers False and is parsed as before. On the Responses and Messages
+    routes, the event is a text delta: its ``event:`` line and one data line.
+    """
+    api = _API_TOKENS.get(route)
+    if api is not None:
+        return _plain_api_event(event, *api)
+    if not event.startswith(b"data: {") or event.find(b"\n") < len(event) - 2:
+        return False  # not one data line ending in a blank line ("\n\n")
+    if route == NATIVE_COMPLETION:
+        if b'"stop":false' not in event:
+            return False
+        patterns = _NATIVE_TOKENS
+    else:
+        if b'"finish_reason":null' not in event:
+            return False
+        patterns = _TEXT_TOKENS if route == COMPLETIONS else _CHAT_TOKENS
+    for key in _NEWS:
+        if key in event:
+            return False
+    return _carries_token(event, patterns)
+
+
+def _carries_token(event: bytes, patterns: tuple[bytes, ...]) -> bool:
+    """Whether a token key of ``patterns`` in ``event`` has a non-empty value."""
+    for pattern in patterns:
+        at = event.find(pattern)
+        if at >= 0 and event[at + len(pattern) : at + len(pattern) + 1] not in (b'"', b"]"):
+            return True
+    return False
+
+
+def plain_token_run(chunk: bytes, route: str) -> int:
+    """How many events ``chunk`` holds when it is whole events, each of which
+    ``plain_token_event`` would pass; else 0.
+
+    Under load one upstream read often carries several token events. A chunk without ``\r``
+    that ends in a blank line splits into exactly the events the ``EventSplitter`` would cut
+    (``\n\n`` is then the only separator), so the events are checked in place, and the keys no
+    plain event may hold are searched once over the whole chunk (none of them contains a line
+    break, so none can span two events).
+    """
+    if b"\r" in chunk or not chunk.endswith(b"\n\n"):
+        return 0
+    for key in _NEWS:
+        if key in chunk:
+            return 0
+    parts = chunk.split(b"\n\n")
+    parts.pop()  # what follows the last separator: nothing
+    api = _API_TOKENS.get(route)
+    if api is not None:
+        for part in parts:
+            if not _plain_api_event(part + b"\n\n", *api):
+                return 0
+        return len(parts)
+    if chunk.count(b"\n") != 2 * len(parts):
+        return 0  # an event of more than one line (each ends in two line breaks)
+    if route == NATIVE_COMPLETION:
+        marker, patterns = b'"stop":false', _NATIVE_TOKENS
+    else:
+        marker = b'"finish_reason":null'
+        patterns = _TEXT_TOKENS if route == COMPLETIONS else _CHAT_TOKENS
+    for part in parts:
+        if not part.startswith(b"data: {") or marker not in part:
+            return 0
+        if not _carries_token(part, patterns):
+            return 0
+    return len(parts)
+
+
+class StreamInspector:
+    """Looks at each SSE event on its way through; decides only whether it is forwarded.
+
+    Events are parsed until the first visible token has been timed; after that, a plain token
+    event (``plain_token_event``) is only counted, and everything else is still parsed.
+    """
+
+    __slots__ = ("_held", "ex")
+
+    def __init__(self, ex: Exchange) -> None:
+        self.ex = ex
+        self._held: tuple[bytes, dict[str, Any]] | None = None
+
+    def process(self, event: bytes, now: float, out: list[bytes]) -> None:
+        """Observe ``event`` and append what should reach the client to ``out``."""
+        ex, obs = self.ex, self.ex.obs
+        if obs.t_first_visible is not None and plain_token_event(event, ex.route):
+            self._count_token(now)
+            self._release(out)
+            out.append(event)
+            return
+        data = event_data(event)
+        obj: Any = None
+        if data is not None and data != b"[DONE]":
+            try:
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                obj = None
+        if not isinstance(obj, dict):
+            self._release(out)
+            out.append(event)
+            return
+        kind = ex.dialect.classify_event(ex.route, obj, obs)
+        if kind is EventKind.TOKEN or kind is EventKind.VISIBLE:
+            if obs.t_first_token is None:
+                obs.t_first_token = now
+                if ex.on_first_token is not None:
+                    ex.on_first_token(obj)
+            if kind is EventKind.VISIBLE and obs.t_first_visible is None:
+                obs.t_first_visible = now
+            obs.t_last_token = now
+            obs.token_events += 1
+        elif kind is EventKind.ERROR:
+            ex.error = "upstream_stream_error"
+        if ex.strip_usage:
+            if kind is EventKind.USAGE_ONLY:
+                self._release(out, carry=ex.dialect.carried_on_strip(obj))
+                return
+            if _finishes(obj):
+                self._release(out)
+                self._held = (event, obj)
+                return
+        self._release(out)
+        out.append(event)
+
+    def plain_chunk(self, chunk: bytes, now: float) -> bool:
+        """Whether ``chunk`` (a whole upstream read) is one plain token event, or several
+        (``plain_token_run``); counted if so.
+
+        The relay then forwards it as it is, without splitting it into events first.
+        """
+        obs = self.ex.obs
+        if self._held is not None or obs.t_first_visible is None:
+            return False
+        if b"\r" not in chunk and plain_token_event(chunk, self.ex.route):
+            # One event, unless a "\r\r" inside is a separator the splitter would cut at.
+            events = 1
+        else:
+            events = plain_token_run(chunk, self.ex.route)
+            if not events:
+                return False
+        obs.t_last_token = now
+        obs.token_events += events
+        return True
+
+    def _count_token(self, now: float) -> None:
+        """A plain token event passed: it is the latest token, and one more."""
+        self.ex.obs.t_last_token = now
+        self.ex.obs.token_events += 1
+
+    def _release(self, out: list[bytes], carry: Mapping[str, Any] | None = None) -> None:
+        if self._held is None:
+            return
+        event, obj = self._held
+        self._held = None
+        if carry:
+            obj.update(carry)
+            event = b"data: " + orjson.dumps(obj) + b"\n\n"
+        out.append(event)
+
+    def finish(self, out: list[bytes]) -> None:
+        self._release(out)
+
+
+def _finishes(obj: Mapping[str, Any]) -> bool:
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return False
+    return any(isinstance(c, Mapping) and c.get("finish_reason") for c in choices)
