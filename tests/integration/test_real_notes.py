@@ -18,6 +18,7 @@ import pytest
 
 from proxy.canonical import Canonicalizer
 from tests.integration.conftest import RunningProxy
+from tests.integration.tools_template import arithmetic_conversation
 
 pytestmark = pytest.mark.real
 
@@ -31,13 +32,7 @@ def turn_body(n: int) -> dict[str, Any]:
     """The application's n-th request: a system prompt with an epoch clock and a session id,
     the conversation so far (replies scripted), a new question."""
     system = f"You are a terse assistant.\nClock: {1764542467 + 37 * n}\nSession: {SESSION}"
-    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
-    for i in range(n):
-        messages += [
-            {"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
-            {"role": "assistant", "content": f"It is {2 * i}."},
-        ]
-    messages.append({"role": "user", "content": f"Question {n}: what is {n} plus {n}?"})
+    messages = arithmetic_conversation(system, n)
     return {"model": "smollm2", "messages": messages, "max_tokens": 4, "temperature": 0}
 
 

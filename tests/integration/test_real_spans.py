@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from proxy.records import RequestRecord
-from tests.integration.tools_template import Proxy, rendered
+from tests.integration.tools_template import Proxy, arithmetic_conversation, rendered
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
 
@@ -47,13 +47,7 @@ def turn_body(n: int, *, volatile: bool = True) -> dict[str, Any]:
     """The application's n-th request: the build in the system prompt (fresh each request,
     in a format no detector knows), the conversation so far, a new question."""
     system = INSTRUCTIONS + (f"\nBuild: {BUILDS[n]}" if volatile else "")
-    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
-    for i in range(n):
-        messages += [
-            {"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
-            {"role": "assistant", "content": f"It is {2 * i}."},
-        ]
-    messages.append({"role": "user", "content": f"Question {n}: what is {n} plus {n}?"})
+    messages = arithmetic_conversation(system, n)
     return {
         "model": "smollm2",
         "messages": messages,

@@ -50,3 +50,16 @@ async def rendered(session: aiohttp.ClientSession, url: str, body: dict[str, Any
         prompt = (await resp.json())["prompt"]
     assert isinstance(prompt, str)
     return prompt
+
+
+def arithmetic_conversation(system: str, n: int) -> list[dict[str, Any]]:
+    """The messages of a scripted conversation's n-th request: ``system``, then n questions and
+    their answers, then the n-th question (the real-backend tests of what reaches the prompt)."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    for i in range(n):
+        messages += [
+            {"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
+            {"role": "assistant", "content": f"It is {2 * i}."},
+        ]
+    messages.append({"role": "user", "content": f"Question {n}: what is {n} plus {n}?"})
+    return messages
