@@ -158,7 +158,13 @@ def build_app(
                 block_bytes=settings.block_bytes,
                 log_prompt_labels=settings.log_prompts,
                 routing=settings.routing,
+                write_delay_s=(
+                    settings.store_write_delay_ms / 1000.0
+                    if settings.store_write_delay_ms > 0
+                    else None
+                ),
             )
+            record_writer.add_flusher(tracker.flush)
             state = ProxyState(
                 settings=settings,
                 session=session,

@@ -301,6 +301,14 @@ class Settings:
         metavar="S",
     )
     """Bucket length of the recent-traffic counts behind the traffic-shared depth."""
+    store_write_delay_ms: float = option(
+        5.0,
+        "how long the store's writes (claims, in-flight counts, learned prefixes, statistics) "
+        "are held to be sent together, milliseconds; 0 sends each at once",
+        cast=float,
+        metavar="MS",
+    )
+    """Write behind (``proxy.store.write_behind``): other proxies see a write this much later."""
     health: HealthChecks = group(HealthChecks, prefix="health_")
     scheduling: SchedulingConfig = group(SchedulingConfig, label="scheduling")
     canonicalize: bool = option(
@@ -494,6 +502,10 @@ def _check(settings: Settings, *, read_files: bool) -> None:
         raise ConfigError("--health-failures must be at least 1")
     if not (math.isfinite(settings.traffic_window_s) and settings.traffic_window_s > 0):
         raise ConfigError("--traffic-window-s must be a positive number")
+    if not (math.isfinite(settings.store_write_delay_ms) and settings.store_write_delay_ms >= 0):
+        raise ConfigError("--store-write-delay-ms must be a number of milliseconds, 0 or more")
+    if settings.store_write_delay_ms > 1000:
+        raise ConfigError("--store-write-delay-ms is at most 1000 (other proxies wait that long)")
     if not 0 <= settings.port <= 65535 or not 0 <= settings.admin_port <= 65535:
         raise ConfigError("--port and --admin-port must be between 0 and 65535")
     if settings.port and settings.port == settings.admin_port:

@@ -218,18 +218,22 @@ async def _attempt(
     ex.dialect = replica.dialect
     capacity = replica.capacity_tokens(state.settings.capacity_tokens)
     replica.in_flight += 1
-    # One background task, the count first: a task's first step runs before any task spawned
-    # after it, so the store applies this +1 before the -1 of the ``finally`` below, however
-    # fast that comes (behind the claim's two round trips, it could come after it). This
-    # proxy sees the claim at once (``PrefixTracker.claim``); its write to the store, a walk
-    # over every block, waits until the request is on its way to the backend.
-    ex.forwarded = forwarded = asyncio.Event()
-    state.writer.spawn(
-        _in_order(
-            state.tracker.in_flight(view, replica.url, +1),
-            _after(forwarded, state.tracker.claim(view, replica.url, capacity, out.model)),
-        )
-    )
+    # This proxy sees the claim and the count at once (``PrefixTracker.claim``). The store's
+    # writes are queued with the others and applied a moment later, the +1 before the -1 of
+    # the ``finally`` below (``proxy.store.write_behind``). Without write behind they are one
+    # background task, the count first (a task's first step runs before any task spawned
+    # after it), and the claim's walk over every block waits until the request is on its way.
+    tracker = state.tracker
+    forwarded: asyncio.Event | None = None
+    if tracker.writes is not None:  # queued, written together a moment later
+        tracker.in_flight(view, replica.url, +1)
+        tracker.claim(view, replica.url, capacity, out.model)
+    else:
+        ex.forwarded = forwarded = asyncio.Event()
+        count = tracker.in_flight(view, replica.url, +1)
+        claim = tracker.claim(view, replica.url, capacity, out.model)
+        assert count is not None and claim is not None
+        state.writer.spawn(_in_order(count, _after(forwarded, claim)))
     ex.ticket = ticket = Ticket()  # held before the scheduler may wait (see ``learn``)
     admitted = False
     try:
@@ -270,11 +274,14 @@ async def _attempt(
             retry=retry,
         )
     finally:
-        forwarded.set()  # not forwarded after all: the claim is written now
+        if forwarded is not None:
+            forwarded.set()  # not forwarded after all: the claim is written now
         if admitted:
             ticket.end(ok=200 <= ex.status < 400 and ex.error is None, usage=ex.obs)
         replica.in_flight -= 1
-        state.writer.spawn(state.tracker.in_flight(view, replica.url, -1))
+        done = tracker.in_flight(view, replica.url, -1)
+        if done is not None:
+            state.writer.spawn(done)
 
 
 async def _after(event: asyncio.Event, work: Awaitable[None]) -> None:

@@ -29,6 +29,7 @@ from proxy.fingerprint import Fingerprint, common_blocks, fingerprint_with_data
 from proxy.records import RequestRecord
 from proxy.routing import TRAFFIC_MAX_BLOCKS, RoutingConfig, TrafficDepth, route_key
 from proxy.store import DEFAULT_NAMESPACE, PrefixStore, StatsSample
+from proxy.store.write_behind import WriteBehind
 
 DEFAULT_TOKENS_PER_BYTE = 0.25  # English prose and code average ~4 bytes per token
 MAX_SEGMENTS_LOGGED = 512
@@ -234,8 +235,13 @@ class PrefixTracker:
         block_bytes: int,
         log_prompt_labels: bool = False,
         routing: RoutingConfig | None = None,
+        write_delay_s: float | None = None,
     ) -> None:
         self.store = store
+        self.writes = None if write_delay_s is None else WriteBehind(store, delay_s=write_delay_s)
+        """With ``write_delay_s``: the store writes batched and sent that much later
+        (``proxy.store.write_behind``); ``in_flight``, ``claim`` and ``learn`` then queue them
+        and return None. Without: they return the writes, to run in the background."""
         self.block_bytes = block_bytes
         self.tokens_per_byte = TokensPerByte()
         self.depth = TrafficDepth.from_config(routing or RoutingConfig())
@@ -291,11 +297,11 @@ class PrefixTracker:
 
     def in_flight(
         self, view: PrefixView | None, replica: str, delta: int
-    ) -> Coroutine[Any, Any, None]:
+    ) -> Coroutine[Any, Any, None] | None:
         """Count ``delta`` requests in flight to ``replica`` (+1 before sending, -1 at the end).
 
-        This proxy's own count changes now; the shared count in the store is the returned
-        coroutine, to run in the background (``RecordWriter.spawn``).
+        This proxy's own count changes now; the shared count in the store is queued (write
+        behind), or the returned coroutine, to run in the background (``RecordWriter.spawn``).
         """
         count = self._local_in_flight.get(replica, 0) + delta
         if count > 0:
@@ -303,6 +309,9 @@ class PrefixTracker:
         else:
             self._local_in_flight.pop(replica, None)
         namespace = view.namespace if view is not None else DEFAULT_NAMESPACE
+        if self.writes is not None:
+            self.writes.add_in_flight(namespace, replica, delta)
+            return None
         return self.store.add_in_flight(namespace, replica, delta)
 
     def capacity_blocks(self, capacity_tokens: int, model: str | None) -> int:
@@ -312,17 +321,27 @@ class PrefixTracker:
 
     def claim(
         self, view: PrefixView, replica: str, capacity_tokens: int, model: str | None = None
-    ) -> Coroutine[Any, Any, None]:
+    ) -> Coroutine[Any, Any, None] | None:
         """Record the request's blocks for the replica it was just routed to.
 
         This proxy's next lookups see the claim at once (``RecentClaims``), so related requests
         arriving together follow the first one; the returned coroutine writes it to the store
         for every proxy (run it in the background right after choosing). It also counts the
         request in the traffic window at arrival (as the fleet simulator does), so a burst
-        sharing a system prompt is seen as shared traffic while it is still arriving."""
-        if view.fp.block_hashes:
-            self.recent.add(view.namespace, replica, view.fp.block_hashes, time.monotonic())
-        return self._claim(view, replica, capacity_tokens, model)
+        sharing a system prompt is seen as shared traffic while it is still arriving.
+
+        With write behind, the store's writes are queued and None is returned."""
+        hashes = view.fp.block_hashes
+        if hashes:
+            self.recent.add(view.namespace, replica, hashes, time.monotonic())
+        writes = self.writes
+        if writes is None:
+            return self._claim(view, replica, capacity_tokens, model)
+        if hashes:
+            writes.observe_traffic(view.namespace, hashes[:TRAFFIC_MAX_BLOCKS])
+            capacity = self.capacity_blocks(capacity_tokens, model)
+            writes.record_prefix(view.namespace, replica, hashes, capacity)
+        return None
 
     def unclaim(self, view: PrefixView, replica: str) -> None:
         """Forget this proxy's in-memory claim for a replica that failed before serving the
@@ -349,7 +368,7 @@ class PrefixTracker:
         matched_bytes = view.matched_for(replica) * self.block_bytes
         return int(matched_bytes * self.tokens_per_byte.get(model))
 
-    async def learn(
+    def learn(
         self,
         record: RequestRecord,
         view: PrefixView | None,
@@ -357,17 +376,15 @@ class PrefixTracker:
         replica: str,
         capacity_tokens: int,
         label: str | None = None,
-    ) -> None:
-        """After the response: update the index, the token ratio and the statistics."""
+    ) -> Coroutine[Any, Any, None] | None:
+        """After the response: update the token ratio now, and the index and the statistics
+        in the store: queued (write behind, None returned), or the returned coroutine."""
+        chain: tuple[str, Sequence[int], int] | None = None
         if view is not None and record.status < 400 and record.error is None:
             self.tokens_per_byte.observe(record.model, record.prompt_tokens, view.fp.total_bytes)
             if view.fp.block_hashes:
-                await self.store.record_prefix(
-                    view.namespace,
-                    replica,
-                    view.fp.block_hashes,
-                    self.capacity_blocks(capacity_tokens, record.model),
-                )
+                capacity = self.capacity_blocks(capacity_tokens, record.model)
+                chain = (view.namespace, view.fp.block_hashes, capacity)
         namespace = view.namespace if view is not None else DEFAULT_NAMESPACE
         sample = StatsSample.from_record(
             record,
@@ -375,7 +392,25 @@ class PrefixTracker:
             ts=time.time(),
             prefix_label=label if self._labels else None,
         )
+        writes = self.writes
+        if writes is None:
+            return self._learned(replica, chain, sample)
+        if chain is not None:
+            writes.record_prefix(chain[0], replica, chain[1], chain[2])
+        writes.add_stats(sample)
+        return None
+
+    async def _learned(
+        self, replica: str, chain: tuple[str, Sequence[int], int] | None, sample: StatsSample
+    ) -> None:
+        if chain is not None:
+            await self.store.record_prefix(chain[0], replica, chain[1], chain[2])
         await self.store.add_stats(sample)
+
+    async def flush(self) -> None:
+        """Apply the store writes queued (write behind); nothing to do without it."""
+        if self.writes is not None:
+            await self.writes.flush()
 
 
 def logged_segments(fp: Fingerprint) -> list[list[Any]]:

@@ -16,6 +16,7 @@ client's critical path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -550,6 +551,11 @@ class RecordWriter(Generic[StagesT]):
         self._sinks: list[RecordSink] = []
         self._learners: list[Learner[StagesT]] = []
         self._tasks: set[asyncio.Future[None]] = set()
+        self._flushers: list[Callable[[], Awaitable[None]]] = []
+
+    def add_flusher(self, flush: Callable[[], Awaitable[None]]) -> None:
+        """``drain`` also applies what ``flush`` holds queued (the store's write behind)."""
+        self._flushers.append(flush)
 
     def add_sink(self, sink: RecordSink) -> None:
         """Hand every finished record to ``sink``."""
@@ -595,9 +601,18 @@ class RecordWriter(Generic[StagesT]):
             self._log.error("record_sink_failed", exc_info=exc)
 
     async def drain(self, limit_s: float = 5.0) -> None:
-        """Wait (bounded) for background sink work, e.g. at shutdown or in tests."""
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=limit_s)
+        """Wait (bounded) for background sink work and apply the writes it queued, e.g. at
+        shutdown or in tests."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit_s
+        while True:
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=max(deadline - loop.time(), 0.0))
+            for flush in self._flushers:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(flush(), timeout=max(deadline - loop.time(), 0.001))
+            if not self._tasks or loop.time() >= deadline:
+                return
 
     @property
     def pending(self) -> Sequence[asyncio.Future[None]]:

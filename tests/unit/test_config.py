@@ -78,6 +78,9 @@ def test_slo_off_and_booleans() -> None:
         ({"backend": ["http://b"], "dialect": "tgi"}, "dialect"),
         ({"backend": ["http://b"], "block_bytes": 8}, "block-bytes"),
         ({"backend": ["http://b"], "port": "eighty"}, "--port"),
+        ({"backend": ["http://b"], "store_write_delay_ms": "-1"}, "store-write-delay-ms"),
+        ({"backend": ["http://b"], "store_write_delay_ms": "nan"}, "store-write-delay-ms"),
+        ({"backend": ["http://b"], "store_write_delay_ms": "5000"}, "at most 1000"),
     ],
 )
 def test_bad_values(args: dict[str, object], match: str) -> None:

@@ -1,0 +1,180 @@
+"""The store writes of finished and forwarded requests, batched and sent a moment later.
+
+Every request writes to the store three or four times: the claim of its blocks and its arrival
+in the traffic window when it is forwarded, the replica's in-flight count at the start and at the
+end, its blocks again and its statistics once it has ended. Made one by one, each is a Python
+call walking a chain (and, with Redis, a script run and a round trip), and they land where they
+hurt: the claim between forwarding and the backend's first byte, the end-of-request writes right
+when the client sends its next turn, whose lookup then queues behind them in Redis.
+
+``WriteBehind`` queues them and applies them together ``delay_s`` later (5 ms by default,
+``--store-write-delay-ms``), off those moments, or at once when ``max_pending`` are queued:
+
+* the same chain recorded twice for one replica (the claim, then the request's end) is written
+  once, as the later write;
+* in-flight changes are summed per replica (each replica's count is written once a batch);
+* everything else is applied in arrival order;
+* with Redis, a batch is one pipelined round trip (``RedisStore.apply_writes``), and requests
+  that fall in the same statistics bucket are added as one.
+
+What this proxy reads itself is unaffected: its lookups see its own claims at once
+(``PrefixTracker.recent``) and its own in-flight counts (``local_in_flight``). Other proxies
+sharing the store, and this store's own answers, see a write up to ``delay_s`` later.
+``flush()`` applies everything queued (``RecordWriter.drain`` calls it, at shutdown and in
+tests); a failing store loses a batch as it would lose the single writes (never raised).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from proxy.log import get_logger
+
+if TYPE_CHECKING:
+    from proxy.store.base import PrefixStore
+    from proxy.store.stats import StatsSample
+
+log = get_logger()
+
+DEFAULT_DELAY_S = 0.005
+DEFAULT_MAX_PENDING = 256
+
+
+@dataclass(slots=True)
+class WriteBatch:
+    """Writes queued for one trip to the store."""
+
+    records: dict[tuple[str, str, int, int], tuple[Sequence[int], int]] = field(
+        default_factory=dict
+    )
+    """(namespace, replica, last hash, length) -> (chain, capacity in blocks), oldest first."""
+    observes: list[tuple[str, Sequence[int]]] = field(default_factory=list)
+    """(namespace, leading hashes) of each request counted in the traffic window."""
+    in_flight: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """replica -> (namespace of its first change, summed change)."""
+    stats: list[StatsSample] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.records) + len(self.observes) + len(self.in_flight) + len(self.stats)
+
+
+class BatchWriter(Protocol):
+    async def apply_writes(self, batch: WriteBatch) -> None: ...
+
+
+async def apply_batch(store: PrefixStore, batch: WriteBatch) -> None:
+    """Apply ``batch`` to ``store``: in one call where the store takes batches, else write by
+    write (the in-flight counts first, then the traffic, the chains and the statistics)."""
+    batched = getattr(store, "apply_writes", None)
+    if batched is not None:
+        await batched(batch)
+        return
+    for replica, (namespace, delta) in batch.in_flight.items():
+        if delta:
+            await store.add_in_flight(namespace, replica, delta)
+    for namespace, hashes in batch.observes:
+        await store.observe_traffic(namespace, hashes)
+    for (namespace, replica, _, _), (hashes, capacity) in batch.records.items():
+        await store.record_prefix(namespace, replica, hashes, capacity)
+    for sample in batch.stats:
+        await store.add_stats(sample)
+
+
+class WriteBehind:
+    """Store writes queued, and applied together ``delay_s`` later (module docstring)."""
+
+    def __init__(
+        self,
+        store: PrefixStore,
+        *,
+        delay_s: float = DEFAULT_DELAY_S,
+        max_pending: int = DEFAULT_MAX_PENDING,
+    ) -> None:
+        self.store = store
+        self.delay_s = max(delay_s, 0.0)
+        self.max_pending = max(max_pending, 1)
+        self._batch = WriteBatch()
+        self._timer: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.batches = 0
+        """Batches applied since start-up (for tests and metrics)."""
+
+    @property
+    def pending(self) -> int:
+        """Writes queued and not yet under way."""
+        return len(self._batch)
+
+    # -- what is queued -------------------------------------------------------------------------
+
+    def record_prefix(
+        self, namespace: str, replica: str, hashes: Sequence[int], capacity_blocks: int
+    ) -> None:
+        if not hashes:
+            return
+        records = self._batch.records
+        key = (namespace, replica, hashes[-1], len(hashes))
+        records.pop(key, None)  # written once, as the latest (its place in the LRU order)
+        records[key] = (hashes, capacity_blocks)
+        self._queued()
+
+    def observe_traffic(self, namespace: str, hashes: Sequence[int]) -> None:
+        self._batch.observes.append((namespace, hashes))
+        self._queued()
+
+    def add_in_flight(self, namespace: str, replica: str, delta: int) -> None:
+        counts = self._batch.in_flight
+        known = counts.get(replica)
+        counts[replica] = (namespace, delta) if known is None else (known[0], known[1] + delta)
+        self._queued()
+
+    def add_stats(self, sample: StatsSample) -> None:
+        self._batch.stats.append(sample)
+        self._queued()
+
+    # -- when it is written ---------------------------------------------------------------------
+
+    def _queued(self) -> None:
+        if self._task is not None:
+            return  # the batch under way arms the next one when it is done
+        if len(self._batch) >= self.max_pending:
+            self._start()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.delay_s, self._start)
+
+    def _start(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._task is None and len(self._batch):
+            self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        try:
+            batch, self._batch = self._batch, WriteBatch()
+            await apply_batch(self.store, batch)
+            self.batches += 1
+        except Exception as exc:  # a store never raises; a bug here must not stop the writes
+            log.error("store_writes_failed", error=type(exc).__name__, writes=len(batch))
+        finally:
+            self._task = None
+            if len(self._batch):
+                self._queued()
+
+    async def flush(self) -> None:
+        """Apply everything queued now (and wait for a batch already under way)."""
+        while True:
+            task = self._task
+            if task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(task)
+                continue
+            if not len(self._batch):
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
+                return
+            self._start()

@@ -1,0 +1,69 @@
+"""The proxy's store writes: queued and sent together (the default), or one by one (delay 0).
+
+Either way, once the writer has drained, the store holds every request's chain, its traffic
+count and its statistics, and no request is left counted in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from fakes import LlamaFake, MakeProxy
+
+from proxy.state import STATE
+
+SYSTEM = "You are a careful assistant who answers in one short sentence. " * 8
+
+
+def chat(question: str) -> dict[str, Any]:
+    return {
+        "model": "fake-model",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+    }
+
+
+@pytest.mark.parametrize("delay_ms", [5.0, 0.0])
+async def test_every_write_reaches_the_store(
+    llama_fake: LlamaFake, make_proxy: MakeProxy, delay_ms: float
+) -> None:
+    client, records, app = await make_proxy(llama_fake.url, store_write_delay_ms=delay_ms)
+    state = app[STATE]
+    for n in range(5):
+        async with client.post("/v1/chat/completions", json=chat(f"question {n}")) as r:
+            assert r.status == 200
+    await records.wait(5)
+    await state.writer.drain()
+    writes = state.tracker.writes
+    if delay_ms:
+        assert writes is not None and writes.pending == 0
+        assert 1 <= writes.batches <= 10  # five requests, about four writes each
+    else:
+        assert writes is None
+    replica = llama_fake.url
+    last = records[-1]
+    assert last.predicted_cached_tokens  # the earlier turns' shared system prompt
+    now = time.time()
+    window = await state.store.query_stats(since_s=now - 300, until_s=now + 60)
+    assert window.requests == 5
+    found = await state.store.lookup("default", [replica], [])
+    assert found.loads == {replica: 0.0}
+    assert found.window_requests == 5
+
+
+async def test_the_writes_wait_for_the_delay(llama_fake: LlamaFake, make_proxy: MakeProxy) -> None:
+    """With a long delay nothing reaches the store until it passes (or the writer drains),
+    and this proxy still predicts from its own claims."""
+    client, records, app = await make_proxy(llama_fake.url, store_write_delay_ms=1000.0)
+    state = app[STATE]
+    for n in range(2):
+        async with client.post("/v1/chat/completions", json=chat(f"question {n}")) as r:
+            assert r.status == 200
+    await records.wait(2)
+    assert records[1].predicted_cached_tokens  # RecentClaims: this proxy sees its claim
+    now = time.time()
+    assert (await state.store.query_stats(since_s=now - 300, until_s=now + 60)).requests == 0
+    assert state.tracker.writes is not None and state.tracker.writes.pending > 0
+    await state.writer.drain()
+    assert (await state.store.query_stats(since_s=now - 300, until_s=now + 60)).requests == 2

@@ -1,0 +1,205 @@
+"""Write behind: queued store writes, applied together, leave a store as single writes do.
+
+Every test of the equivalence runs on the embedded store, one Redis and a Redis Cluster
+(``make_store``): one store is written write by write, the other through ``WriteBehind``, and
+everything the proxy reads back (matches, loads, traffic counts, statistics, top prefixes)
+must be the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+import pytest
+from redis_process import StoreFactory
+
+from proxy.store import PrefixStore, StatsSample
+from proxy.store.write_behind import WriteBatch, WriteBehind, apply_batch
+
+NOW = time.time()
+BASE = (int(NOW) // 3600 - 2) * 3600  # an hour boundary one to two hours ago
+R1, R2 = "http://r1:8080", "http://r2:8080"
+RULES = ["json_keys", "volatile"]
+
+
+def sample(ts: float, **fields: Any) -> StatsSample:
+    values: dict[str, Any] = {
+        "namespace": "default",
+        "model": "m1",
+        "backend": "b1",
+        "status": 200,
+        "error": False,
+    }
+    values.update(fields)
+    return StatsSample(ts=ts, **values)
+
+
+def workload(seed: int) -> list[tuple[str, tuple[Any, ...]]]:
+    """Writes as a proxy makes them: claims, in-flight counts, ends, statistics."""
+    rng = random.Random(seed)
+    system = [rng.getrandbits(63) for _ in range(6)]
+    ops: list[tuple[str, tuple[Any, ...]]] = []
+    for n in range(40):
+        replica = rng.choice((R1, R2))
+        ns = rng.choice(("default", "default", "t1"))
+        own = [rng.getrandbits(63) for _ in range(rng.randint(0, 4))]
+        chain = system[: rng.randint(1, 6)] + own
+        ops.append(("add_in_flight", (ns, replica, +1)))
+        ops.append(("observe_traffic", (ns, chain[:4])))
+        ops.append(("record_prefix", (ns, replica, chain, 12)))
+        if rng.random() < 0.9:
+            ops.append(("add_in_flight", (ns, replica, -1)))
+            ops.append(("record_prefix", (ns, replica, chain, 12)))
+            ops.append(
+                (
+                    "add_stats",
+                    (
+                        sample(
+                            BASE + 60 * rng.randint(0, 90) + rng.random(),
+                            namespace=ns,
+                            model=rng.choice(("m1", "m2")),
+                            backend=replica,
+                            prompt_tokens=rng.randint(10, 5000),
+                            cached_tokens=rng.choice((None, 0, rng.randint(1, 10))),
+                            predicted_cached_tokens=rng.randint(0, 10),
+                            completion_tokens=rng.randint(0, 50),
+                            ttft_ms=rng.random() * 500,
+                            slo_met=rng.random() < 0.5,
+                            prefix_anchor=rng.choice((None, "aa", "bb", "cc")),
+                            prefix_label=rng.choice((None, "support bot")),
+                            canonical_rules=rng.sample(RULES, rng.randint(0, 2)),
+                        ),
+                    ),
+                )
+            )
+        if n % 7 == 6:
+            ops.append(("flush", ()))
+    return ops
+
+
+async def read_back(store: PrefixStore, chains: list[list[int]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for ns in ("default", "t1"):
+        for chain in chains:
+            found = await store.lookup(ns, [R1, R2], chain)
+            out[f"{ns}:{chain[0]}:{len(chain)}"] = (
+                found.matched,
+                found.window_requests,
+                found.hash_counts,
+            )
+        window = await store.query_stats(since_s=BASE, until_s=BASE + 3 * 3600, namespace=ns)
+        out[f"{ns}:stats"] = window.to_json()
+        out[f"{ns}:top"] = [
+            (p.anchor, p.requests, p.prompt_tokens, p.cached_tokens, p.label)
+            for p in await store.top_prefixes(since_s=BASE, limit=10, namespace=ns)
+        ]
+    out["loads"] = (await store.lookup("default", [R1, R2], [])).loads
+    return out
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_batched_writes_leave_the_store_as_single_writes_do(
+    make_store: StoreFactory, seed: int
+) -> None:
+    one_by_one = make_store(key_prefix=f"single{seed}")
+    batched = make_store(key_prefix=f"batched{seed}")
+    behind = WriteBehind(batched, delay_s=60.0)  # applied only by the flushes
+    chains: list[list[int]] = []
+    for op, args in workload(seed):
+        if op == "flush":
+            await behind.flush()
+            continue
+        if op == "record_prefix":
+            chains.append(args[2])
+        await getattr(one_by_one, op)(*args)
+        getattr(behind, op)(*args)
+    await behind.flush()
+    assert behind.pending == 0 and behind.batches >= 6
+    single, together = await read_back(one_by_one, chains), await read_back(batched, chains)
+    assert together == single
+
+
+async def test_a_batch_is_applied_once_the_delay_has_passed(store: PrefixStore) -> None:
+    behind = WriteBehind(store, delay_s=0.02)
+    behind.record_prefix("default", R1, [1, 2, 3], 100)
+    behind.add_in_flight("default", R1, +1)
+    assert behind.pending == 2
+    assert (await store.longest_match("default", [R1], [1, 2, 3]))[R1] == 0  # not yet
+    await asyncio.sleep(0.1)
+    assert behind.pending == 0 and behind.batches == 1
+    assert (await store.longest_match("default", [R1], [1, 2, 3]))[R1] == 3
+    assert (await store.lookup("default", [R1], [1])).loads[R1] == 1.0
+
+
+async def test_a_full_queue_is_sent_without_waiting(store: PrefixStore) -> None:
+    behind = WriteBehind(store, delay_s=60.0, max_pending=4)
+    for i in range(4):
+        behind.record_prefix("default", R1, [10 + i], 100)
+    for _ in range(100):
+        if behind.batches:
+            break
+        await asyncio.sleep(0.01)
+    assert behind.batches == 1 and behind.pending == 0
+
+
+class Counting:
+    """A store double that counts the writes it is given (and may fail them)."""
+
+    def __init__(self, *, fail: bool = False) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.fail = fail
+
+    async def record_prefix(self, *args: Any) -> None:
+        self._call("record_prefix", args)
+
+    async def observe_traffic(self, *args: Any) -> None:
+        self._call("observe_traffic", args)
+
+    async def add_in_flight(self, *args: Any) -> None:
+        self._call("add_in_flight", args)
+
+    async def add_stats(self, *args: Any) -> None:
+        self._call("add_stats", args)
+
+    def _call(self, name: str, args: tuple[Any, ...]) -> None:
+        if self.fail:
+            raise RuntimeError("boom")
+        self.calls.append((name, args))
+
+
+async def test_a_chain_written_twice_is_written_once_and_counts_are_summed() -> None:
+    double = Counting()
+    behind = WriteBehind(double, delay_s=60.0)  # type: ignore[arg-type]
+    chain = [1, 2, 3]
+    behind.add_in_flight("default", R1, +1)
+    behind.record_prefix("default", R1, chain, 100)  # the claim
+    behind.record_prefix("default", R1, [7, 8], 100)
+    behind.add_in_flight("default", R1, -1)
+    behind.add_in_flight("default", R2, +1)
+    behind.record_prefix("default", R1, chain, 100)  # the end: the latest write
+    await behind.flush()
+    assert double.calls == [
+        ("add_in_flight", ("default", R2, 1)),  # R1's +1 and -1 cancel
+        ("record_prefix", ("default", R1, [7, 8], 100)),
+        ("record_prefix", ("default", R1, chain, 100)),
+    ]
+
+
+async def test_a_failing_store_loses_the_batch_and_the_writes_go_on() -> None:
+    double = Counting(fail=True)
+    behind = WriteBehind(double, delay_s=0.001)  # type: ignore[arg-type]
+    behind.add_stats(sample(BASE))
+    await behind.flush()  # never raises
+    assert behind.pending == 0
+    double.fail = False
+    behind.add_stats(sample(BASE + 1))
+    await asyncio.sleep(0.05)
+    assert [name for name, _ in double.calls] == ["add_stats"]
+
+
+async def test_an_empty_batch_writes_nothing(store: PrefixStore) -> None:
+    await apply_batch(store, WriteBatch())
+    assert (await store.lookup("default", [R1], [1])).loads == {R1: 0.0}
