@@ -148,9 +148,8 @@ class RamCache:
     def holds(self, state: CachedPrompt) -> bool:
         """An entry holds all of ``state`` (its prompt is a prefix of the entry's)."""
         entries = self.entries
-        for e in entries:  # the same state saved again (an idle slot, at every launch): cheap
-            if e is state:
-                return True
+        if state in entries:  # the same state saved again (an idle slot, at every launch)
+            return True  # (states compare by identity: a scan in C)
         return any(contains(e, state) for e in entries)
 
     def save(self, state: CachedPrompt | None) -> None:

@@ -253,6 +253,10 @@ class RecentPrompts:
     def __iter__(self) -> Iterator[CachedPrompt]:
         return (state for _, state in self._items)
 
+    def states(self) -> list[CachedPrompt]:
+        """The remembered states, oldest first (a list: cheaper to walk than ``iter``)."""
+        return [state for _, state in self._items]
+
     @staticmethod
     def _keys(state: CachedPrompt) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
         fp = state.fp

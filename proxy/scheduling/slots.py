@@ -345,12 +345,17 @@ class SlotTable:
         if self._choosing and self._live is not None and self._live[0] == now:
             return self._live[1]
         live = 0.0
-        for state in self.recent:
+        rates: dict[int, float] = {}  # per application: few of them among the recent prompts
+        for state in self.recent.states():
             if state.continued:
                 continue
-            horizon = 2.0 * state.gap_s if state.gap_s else 60.0
-            if now - state.t_used <= horizon:
-                live += self.continuations.rate(state)  # a one-shot question weighs little
+            gap = state.gap_s
+            if now - state.t_used <= (2.0 * gap if gap else 60.0):
+                anchor = state.fp.anchor if state.fp is not None else 0
+                rate = rates.get(anchor)
+                if rate is None:
+                    rate = rates[anchor] = self.continuations.rate(state)
+                live += rate  # a one-shot question weighs little
         if self._choosing:
             self._live = (now, live)
         return live
@@ -377,11 +382,6 @@ class SlotTable:
         held = slot.state
         if held is None or (outcome.loaded is None and self.counter.shared(held, query).continues):
             return 0.0  # nothing there, or the request extends what is there
-        if self.rules.similarity != 0.0 and self.live_conversations(now) > len(self.slots):
-            # More conversations than slots and a server that cannot swap them back in from
-            # RAM: every placement loses some history, spreading only moves the loss. Take
-            # what reuses most now, as the server itself would.
-            return 0.0
         incoming = CachedPrompt(hashes=query.hashes, prompt_tokens=query.prompt_tokens, fp=query.fp)
         kept = self.counter.cached(incoming, probe_of(held))
         lost = max(held.tokens - kept, 0.0)
@@ -390,6 +390,12 @@ class SlotTable:
         if restorable(
             held, incoming, self.ram, self.counter, rules=self.rules, saved_now=outcome.update
         ):
+            return 0.0
+        if self.rules.similarity != 0.0 and self.live_conversations(now) > len(self.slots):
+            # More conversations than slots and a server that cannot swap them back in from
+            # RAM: every placement loses some history, spreading only moves the loss. Take
+            # what reuses most now, as the server itself would. (Checked last: it walks the
+            # recent prompts, and every earlier answer is 0 too.)
             return 0.0
         likely = self.continuations.rate(held)
         if held.gap_s is not None and held.gap_s > 0.0:
