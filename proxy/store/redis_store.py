@@ -97,6 +97,7 @@ from proxy.store.redis_scripts import (
     LuaScript,
     pack_chain,
 )
+from proxy.store.resp import RespAddress, RespLink
 from proxy.store.stats import StatsSample, sample_increments
 from proxy.store.window import (
     HOUR_S,
@@ -176,8 +177,11 @@ class RedisStore:
         *,
         owns_client: bool = True,
         clock: Callable[[], float] = time.time,
+        link: RespLink | None = None,
     ) -> None:
         self._client = client
+        self._link = link
+        """The scripts' own connection (``proxy.store.resp``), where the URL allows one."""
         self._opts = options or StoreOptions()
         self._owns_client = owns_client
         self._clock = clock
@@ -214,8 +218,12 @@ class RedisStore:
             # RESP2: no HELLO handshake on a new connection.
             "protocol": 2,
         }
-        client = cluster_client(url, **common) or Redis.from_url(url, **common)
-        return cls(client, opts, owns_client=True)
+        cluster = cluster_client(url, **common)
+        if cluster is not None:
+            return cls(cluster, opts, owns_client=True)
+        address = RespAddress.from_url(url)
+        link = RespLink(address, connect_timeout_s=t.connect_s) if address is not None else None
+        return cls(Redis.from_url(url, **common), opts, owns_client=True, link=link)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -244,6 +252,8 @@ class RedisStore:
         self._closed = True
         if self._layout is not None:
             await self._layout.aclose()
+        if self._link is not None:
+            await self._link.aclose()
         if self._owns_client:
             await self._client.aclose()
 
@@ -301,18 +311,34 @@ class RedisStore:
             for script in ALL_SCRIPTS:
                 pipe.script_load(script.source)
             await pipe.execute()
+            if self._link is not None:  # its connection too, off the first lookup's deadline
+                await self._link.execute([("PING",)])
 
         await self._guarded("warm", self._opts.timeouts.read_s, None, run)
         return not self.degraded
 
     async def _guarded(
-        self, op: str, timeout_s: float, neutral: T, call: Callable[[], Awaitable[T]]
+        self,
+        op: str,
+        timeout_s: float,
+        neutral: T,
+        call: Callable[[], Awaitable[T]],
+        *,
+        scripts: bool = False,
     ) -> T:
-        """Run ``call`` within ``timeout_s``; on any failure answer ``neutral`` and note it."""
+        """Run ``call`` within ``timeout_s``; on any failure answer ``neutral`` and note it.
+
+        ``scripts``: ``call`` runs only scripts (``_eval_all``). On the scripts' own connection
+        a cancelled call unwinds at once, so the deadline is a plain ``asyncio.timeout``, without
+        the task ``_within`` runs a redis-py call in.
+        """
         if self._closed or not self._health.allow():
             return neutral
         try:
-            if self._layout is not None and self._layout.pending:
+            if scripts and self._link is not None:
+                async with asyncio.timeout(timeout_s):
+                    result = await call()
+            elif self._layout is not None and self._layout.pending:
                 result = await _within(self._layout.then(call), timeout_s)
             else:
                 result = await _within(call(), timeout_s)
@@ -355,6 +381,8 @@ class RedisStore:
         in all, so that the first lookup after a restart still fits its deadline. Only those
         calls run again: a script that did run is never applied twice.
         """
+        if self._link is not None:
+            return await self._eval_on_link(self._link, calls)
         # ``execute_command`` rather than ``pipe.evalsha``: the very same command, but redis-py's
         # cluster pipeline refuses the ``evalsha`` method wholesale (it cannot know that each
         # script's keys share a slot; ours do, and the cluster client routes EVALSHA by them).
@@ -369,6 +397,30 @@ class RedisStore:
                 script, keys, args = calls[i]
                 pipe.execute_command("EVAL", script.source, len(keys), *keys, *args)
             again = await pipe.execute(raise_on_error=False)
+            for i, r in zip(missing, again, strict=True):
+                results[i] = r
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+        return results
+
+    @staticmethod
+    async def _eval_on_link(
+        link: RespLink, calls: Sequence[tuple[LuaScript, Sequence[str], Sequence[Any]]]
+    ) -> list[Any]:
+        """``_eval_all`` over the scripts' own connection: the same commands, the same retry
+        with the source for the scripts a restarted Redis no longer holds."""
+        results = await link.execute(
+            [("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args in calls]
+        )
+        missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        if missing:
+            again = await link.execute(
+                [
+                    ("EVAL", calls[i][0].source, len(calls[i][1]), *calls[i][1], *calls[i][2])
+                    for i in missing
+                ]
+            )
             for i, r in zip(missing, again, strict=True):
                 results[i] = r
         for r in results:
@@ -429,7 +481,7 @@ class RedisStore:
             counts = await self._eval_each(LOOKUP, calls)
             return {r: int(c) for r, c in zip(replicas, counts, strict=True)}
 
-        return await self._guarded("lookup", self._opts.timeouts.lookup_s, {}, run)
+        return await self._guarded("lookup", self._opts.timeouts.lookup_s, {}, run, scripts=True)
 
     async def record_prefix(
         self, namespace: str, replica: str, hashes: Sequence[int], capacity_blocks: int
@@ -442,7 +494,7 @@ class RedisStore:
         async def run() -> None:
             await self._eval_all([call])
 
-        await self._guarded("record", self._opts.timeouts.write_s, None, run)
+        await self._guarded("record", self._opts.timeouts.write_s, None, run, scripts=True)
 
     def _record_call(
         self, namespace: str, replica: str, hashes: Sequence[int], capacity_blocks: int
@@ -479,7 +531,7 @@ class RedisStore:
             )
 
         return await self._guarded(
-            "lookup", self._opts.timeouts.lookup_s, LookupResult.unavailable(), run
+            "lookup", self._opts.timeouts.lookup_s, LookupResult.unavailable(), run, scripts=True
         )
 
     async def traffic_counts(self, namespace: str, hashes: Sequence[int]) -> tuple[int, list[int]]:
@@ -491,7 +543,9 @@ class RedisStore:
             window, *counts = _numbers(raw)
             return window, counts
 
-        return await self._guarded("traffic", self._opts.timeouts.lookup_s, (0, []), run)
+        return await self._guarded(
+            "traffic", self._opts.timeouts.lookup_s, (0, []), run, scripts=True
+        )
 
     async def observe_traffic(self, namespace: str, hashes: Sequence[int]) -> None:
         """Count one request in the current traffic bucket."""
@@ -500,7 +554,7 @@ class RedisStore:
         async def run() -> None:
             await self._eval_all([call])
 
-        await self._guarded("observe", self._opts.timeouts.write_s, None, run)
+        await self._guarded("observe", self._opts.timeouts.write_s, None, run, scripts=True)
 
     def _observe_call(self, namespace: str, hashes: Sequence[int]) -> _Call:
         bucket = self._traffic_bucket()
@@ -538,7 +592,7 @@ class RedisStore:
         async def run() -> None:
             await self._eval_all([call])
 
-        await self._guarded("in_flight", self._opts.timeouts.write_s, None, run)
+        await self._guarded("in_flight", self._opts.timeouts.write_s, None, run, scripts=True)
 
     def _in_flight_call(self, replica: str) -> _Call:
         keys = (self.fleet_key("load"), self.fleet_key("proxies"))
@@ -564,7 +618,7 @@ class RedisStore:
         async def run() -> None:
             await self._eval_all(calls)
 
-        await self._guarded("add_stats", self._opts.timeouts.write_s, None, run)
+        await self._guarded("add_stats", self._opts.timeouts.write_s, None, run, scripts=True)
 
     def _stats_calls(self, samples: Sequence[StatsSample]) -> list[_Call]:
         """The ``ADD_STATS`` runs that add ``samples``: the samples of one bucket (namespace,
@@ -658,7 +712,7 @@ class RedisStore:
 
         # A batch takes Redis longer than one write: its bound grows with it (0.2 ms a script).
         limit_s = self._opts.timeouts.write_s + 0.0002 * len(calls)
-        await self._guarded("writes", limit_s, None, run)
+        await self._guarded("writes", limit_s, None, run, scripts=True)
 
     async def query_stats(
         self,

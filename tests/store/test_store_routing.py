@@ -248,15 +248,28 @@ async def test_lookup_degrades_to_unavailable(own_redis_server: RedisServer) -> 
 
 
 @pytest.mark.redis
-async def test_lookup_is_one_round_trip(redis_server: RedisServer) -> None:
-    """Matches for every replica, loads and traffic counts travel in a single pipeline."""
+@pytest.mark.parametrize("client", ["link", "redis-py"])
+async def test_lookup_is_one_round_trip(redis_server: RedisServer, client: str) -> None:
+    """Matches for every replica, loads and traffic counts travel in a single pipeline, over
+    the scripts' own connection (``proxy.store.resp``) or redis-py's."""
     redis_server.flush()
     store = RedisStore.from_url(redis_server.url, StoreOptions(timeouts=RELAXED))
     try:
+        if client == "redis-py":
+            store._link = None
         p = chain("rt", 5)
         await store.record_prefix("default", R1, p, CAP)
         await store.lookup("default", [R1], p)  # scripts loaded
         executed: list[int] = []
+        link = store._link
+        if link is not None:
+            send = link.execute
+
+            async def counted_send(commands: Any) -> Any:
+                executed.append(len(commands))
+                return await send(commands)
+
+            link.execute = counted_send  # type: ignore[method-assign]  # counting wrapper
         make_pipeline = store.client.pipeline
 
         def counting_pipeline(*args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,141 @@
+"""The scripts' own Redis connection (``proxy.store.resp``): addresses, order, failures.
+
+The store's behaviour over it is what every Redis test of the store suite checks (they run on
+it: ``RedisStore.from_url`` takes it for a ``redis://`` URL); these pin the connection itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis_process import RedisServer
+
+from proxy.store import RedisStore, StoreOptions
+from proxy.store.resp import RespAddress, RespLink
+
+
+@pytest.mark.parametrize(
+    "url,address",
+    [
+        ("redis://10.0.0.5:6380/2", RespAddress(host="10.0.0.5", port=6380, db=2)),
+        ("redis://localhost", RespAddress(host="localhost")),
+        ("redis://:s%40cret@h:1", RespAddress(host="h", port=1, password="s@cret")),
+        ("redis://alice:pw@h:1/0", RespAddress(host="h", port=1, username="alice", password="pw")),
+        ("redis://h:1?db=4", RespAddress(host="h", port=1, db=4)),
+        ("unix:///run/redis.sock?db=1", RespAddress(path="/run/redis.sock", db=1)),
+        ("rediss://h:1", None),  # TLS: redis-py's
+        ("redis+cluster://h:1", None),  # Cluster: redis-py's
+        ("redis://h:1?socket_timeout=2", None),  # an option this link does not speak
+        ("redis://h:port", None),
+    ],
+)
+def test_addresses(url: str, address: RespAddress | None) -> None:
+    assert RespAddress.from_url(url) == address
+
+
+def test_a_store_takes_the_link_where_the_url_allows() -> None:
+    assert RedisStore.from_url("redis://127.0.0.1:1/0")._link is not None
+    assert RedisStore.from_url("rediss://127.0.0.1:1/0")._link is None
+
+
+def link_to(server: RedisServer, **address: object) -> RespLink:
+    return RespLink(
+        RespAddress(host="127.0.0.1", port=server.port, **address),  # type: ignore[arg-type]
+        connect_timeout_s=1.0,
+    )
+
+
+@pytest.mark.redis
+async def test_concurrent_calls_get_their_own_replies(redis_server: RedisServer) -> None:
+    link = link_to(redis_server)
+    try:
+        replies = await asyncio.gather(
+            *(link.execute([("ECHO", f"a{i}"), ("ECHO", f"b{i}")]) for i in range(50))
+        )
+        assert replies == [[f"a{i}".encode(), f"b{i}".encode()] for i in range(50)]
+        (error, ok) = await link.execute([("EVALSHA", "0" * 40, 0), ("PING",)])
+        assert isinstance(error, NoScriptError) and ok == b"PONG"  # in place, as a pipeline
+        (bad,) = await link.execute([("NOSUCHCOMMAND",)])
+        assert isinstance(bad, ResponseError)
+    finally:
+        await link.aclose()
+
+
+@pytest.mark.redis
+async def test_a_call_given_up_leaves_the_next_ones_matched(
+    own_redis_server: RedisServer,
+) -> None:
+    link = link_to(own_redis_server)
+    try:
+        assert await link.execute([("PING",)]) == [b"PONG"]
+        own_redis_server.freeze()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await link.execute([("ECHO", "late")])
+        own_redis_server.thaw()
+        assert await link.execute([("ECHO", "next")]) == [b"next"]
+    finally:
+        await link.aclose()
+
+
+@pytest.mark.redis
+async def test_a_lost_connection_fails_the_waiting_calls_and_is_opened_again(
+    own_redis_server: RedisServer,
+) -> None:
+    link = link_to(own_redis_server)
+    try:
+        assert await link.execute([("PING",)]) == [b"PONG"]
+        own_redis_server.freeze()
+        waiting = asyncio.ensure_future(link.execute([("PING",)]))
+        await asyncio.sleep(0.05)
+        own_redis_server.kill()
+        with pytest.raises(RedisConnectionError):
+            await waiting
+        with pytest.raises(RedisConnectionError):  # nobody listens on the port now
+            await link.execute([("PING",)])
+        own_redis_server.start()
+        assert await link.execute([("PING",)]) == [b"PONG"]
+    finally:
+        await link.aclose()
+    with pytest.raises(RedisConnectionError):
+        await link.execute([("PING",)])  # closed for good
+
+
+@pytest.mark.redis
+async def test_password_user_and_database(own_redis_server: RedisServer) -> None:
+    admin = redis.Redis(port=own_redis_server.port)
+    admin.execute_command("ACL", "SETUSER", "alice", "on", ">wonder", "~*", "+@all")
+    admin.config_set("requirepass", "hunter2")
+    admin.close()
+    links = [
+        link_to(own_redis_server, password="hunter2", db=3),
+        link_to(own_redis_server, username="alice", password="wonder"),
+    ]
+    try:
+        assert await links[0].execute([("SET", "k", "v")]) == [b"OK"]
+        assert await links[1].execute([("SELECT", 3), ("GET", "k")]) == [b"OK", b"v"]
+        wrong = link_to(own_redis_server, password="nope")
+        links.append(wrong)
+        with pytest.raises(AuthenticationError):
+            await wrong.execute([("PING",)])
+        anonymous = link_to(own_redis_server)
+        links.append(anonymous)
+        (refused,) = await anonymous.execute([("GET", "k")])
+        assert isinstance(refused, AuthenticationError)  # NOAUTH, as redis-py reports it
+        store = RedisStore.from_url(
+            f"redis://:hunter2@127.0.0.1:{own_redis_server.port}/5", StoreOptions()
+        )
+        try:
+            assert await store.warm()
+            await store.record_prefix("default", "http://r:1", [1, 2, 3], 100)
+            got = await store.longest_match("default", ["http://r:1"], [1, 2, 3])
+            assert got == {"http://r:1": 3} and not store.degraded
+        finally:
+            await store.aclose()
+    finally:
+        for link in links:
+            await link.aclose()
