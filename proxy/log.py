@@ -3,12 +3,15 @@
 Records and operational events share one stream (stdout, or ``--log-file``), one JSON object a
 line; records are the lines with ``"event": "request"``. Calls are synchronous: a JSON line is
 cheaper than handing it to another thread, and records are written after the response has ended.
+A record, one per request, is written by ``info_line``: the same line, without the processor
+chain (a third of the cost).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -41,6 +44,8 @@ def configure_logging(*, level: str = "info", log_file: str | None = None) -> No
         _open_files.append(out)
     else:
         out = cast(BinaryIO, sys.stdout.buffer)
+    global _lines
+    factory = structlog.BytesLoggerFactory(out)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -50,9 +55,38 @@ def configure_logging(*, level: str = "info", log_file: str | None = None) -> No
             structlog.processors.JSONRenderer(serializer=_dumps),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
-        logger_factory=structlog.BytesLoggerFactory(out),
+        logger_factory=factory,
         cache_logger_on_first_use=False,
     )
+    info = _LEVELS.get(level, logging.INFO) <= logging.INFO
+    config = structlog.get_config()
+    _lines = (config["logger_factory"], config["processors"], out) if info else None
+
+
+_lines: tuple[Any, Any, BinaryIO] | None = None
+"""The factory, processors and stream ``configure_logging`` installed, for ``info_line``."""
+
+
+def info_line(event: str, fields: dict[str, Any]) -> bool:
+    """Write ``fields`` as one info line of ``event``, exactly as ``log.info(event, **fields)``
+    would with the configuration of ``configure_logging`` (the request's bound context, the
+    level, the timestamp), without structlog's processor chain: a record is written per
+    request. False (nothing written) when that configuration is not the one in force (a test
+    capturing the logs, info lines filtered out): the caller logs through structlog then.
+    """
+    lines = _lines
+    if lines is None:
+        return False
+    config = structlog.get_config()
+    if config["logger_factory"] is not lines[0] or config["processors"] is not lines[1]:
+        return False
+    fields["event"] = event
+    for key, value in structlog.contextvars.get_contextvars().items():
+        fields.setdefault(key, value)
+    fields["level"] = "info"
+    fields["logged_at"] = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    lines[2].write(_dumps(fields) + b"\n")
+    return True
 
 
 def get_logger(name: str = "prefixgate") -> structlog.typing.FilteringBoundLogger:

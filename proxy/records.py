@@ -26,6 +26,8 @@ from typing import Any, Generic, Literal, TypeVar
 
 import structlog
 
+from proxy.log import info_line
+
 CachedSource = Literal["reported", "unknown"]
 TimingSource = Literal["observed", "backend", "none"]
 
@@ -570,7 +572,9 @@ class RecordWriter(Generic[StagesT]):
 
         Learners run only for a record emitted with its ``stages``.
         """
-        self._log.info(RECORD_EVENT, **record.as_dict())
+        fields = record.as_dict()
+        if not info_line(RECORD_EVENT, fields):
+            self._log.info(RECORD_EVENT, **fields)
         for sink in self._sinks:
             self._deliver(sink, record)
         if stages is not None:

@@ -61,3 +61,49 @@ async def test_logged_records_match_the_schema_and_the_analyzer_reads_them(
     assert len(trace.requests) == 3 and trace.errors == 1
     assert all(r.keys for r in trace.requests)
     assert trace.requests[2].affinity_key == int(lines[2]["affinity_key"], 16)
+
+
+def test_a_record_line_is_the_line_structlog_writes(tmp_path: Path) -> None:
+    """``info_line`` (a record per request, without the processor chain) writes what
+    ``log.info`` writes with the same configuration: keys, order, bound context, level."""
+    import structlog
+
+    from proxy.log import get_logger, info_line
+
+    log = tmp_path / "lines.jsonl"
+    configure_logging(log_file=str(log))
+    try:
+        structlog.contextvars.bind_contextvars(request_id="rid-1", tenant="team-a")
+        fields = {"request_id": "rid-1", "status": 200, "ttft_ms": 1.5, "rules": ["a"], "x": None}
+        get_logger("prefixgate.records").info("request", **dict(fields))
+        assert info_line("request", dict(fields)) is True
+    finally:
+        structlog.contextvars.clear_contextvars()
+        configure_logging()
+    via_structlog, direct = (orjson.loads(line) for line in log.read_bytes().splitlines())
+    assert list(direct) == list(via_structlog)  # the same keys in the same order
+    via_structlog.pop("logged_at"), direct.pop("logged_at")
+    assert direct == via_structlog
+    assert direct["tenant"] == "team-a" and direct["level"] == "info"
+
+
+def test_a_record_line_defers_to_a_capture(tmp_path: Path) -> None:
+    """With structlog configured elsewhere (a test's capture), nothing is written directly."""
+    from structlog.testing import LogCapture
+
+    from proxy.log import info_line
+
+    configure_logging(log_file=str(tmp_path / "unused.jsonl"))
+    import structlog
+
+    structlog.configure(processors=[LogCapture()])
+    try:
+        assert info_line("request", {"status": 200}) is False
+    finally:
+        configure_logging()
+    assert (tmp_path / "unused.jsonl").read_bytes() == b""
+    configure_logging(level="warning")
+    try:
+        assert info_line("request", {"status": 200}) is False  # info lines are filtered out
+    finally:
+        configure_logging()
