@@ -49,6 +49,7 @@ recursion limit an iterative encoder (``proxy.deep_json``) that writes the same 
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Container, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
@@ -392,7 +393,9 @@ def _model_name(body: Mapping[str, Any]) -> str:
     return _json(model).decode("utf-8", "surrogatepass")
 
 
-def block_chain(data: bytes, seed: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> tuple[int, ...]:
+def block_chain(
+    data: bytes | memoryview, seed: int, block_bytes: int = DEFAULT_BLOCK_BYTES
+) -> tuple[int, ...]:
     """The chained hashes of every full block of ``data``."""
     if block_bytes <= 0:
         raise ValueError("block_bytes must be positive")
@@ -406,6 +409,66 @@ def block_chain(data: bytes, seed: int, block_bytes: int = DEFAULT_BLOCK_BYTES) 
             for off in range(0, len(data) - block_bytes + 1, block_bytes)
         ]
     )
+
+
+class ChainMemo:
+    """The block chains of recent long prompts, so that a prompt sharing a long prefix with one
+    of them hashes only what follows it.
+
+    An agent or a chat resends its system prompt, tools and history every turn; at 512 KB the
+    chain is 2,048 hash calls, most of the fingerprint's time. The segment hashes are cumulative
+    (each covers the prompt from its first byte), so two prompts whose hashes agree at segment
+    ``j`` agree on every byte up to its end: the earlier prompt's block hashes up to there are
+    this one's. Entries are found by (segment count, segment hash), by bisection over the
+    segment count (sharing ``j`` segments implies sharing fewer). Only hashes are kept (no
+    prompt bytes); the seed is in every hash, so a tenant never reuses another's chain. Bounded
+    to ``max_entries`` prompts of at least ``min_blocks`` blocks, most recent kept.
+    """
+
+    __slots__ = ("_entries", "_index", "max_entries", "min_blocks")
+
+    def __init__(self, *, max_entries: int = 64, min_blocks: int = 64) -> None:
+        self.max_entries = max_entries
+        self.min_blocks = min_blocks
+        self._entries: deque[tuple[tuple[int, ...], tuple[int, ...]]] = deque()
+        self._index: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def reused(
+        self, segment_hashes: Sequence[int], ends: Sequence[int], block_bytes: int
+    ) -> tuple[int, ...]:
+        """The leading block hashes a remembered prompt shares with this one (maybe none)."""
+        index = self._index
+        if not index or not segment_hashes:
+            return ()
+        lo, hi, found = 0, len(segment_hashes), None
+        while lo < hi:  # the most leading segments some entry shares
+            mid = (lo + hi + 1) // 2
+            entry = index.get((mid, segment_hashes[mid - 1]))
+            if entry is not None:
+                lo, found = mid, entry
+            else:
+                hi = mid - 1
+        if found is None:
+            return ()
+        chain, _ = found
+        return chain[: min(ends[lo - 1] // block_bytes, len(chain))]
+
+    def remember(self, segment_hashes: tuple[int, ...], chain: tuple[int, ...]) -> None:
+        if len(chain) < self.min_blocks or not segment_hashes:
+            return
+        entry = (chain, segment_hashes)
+        for j, h in enumerate(segment_hashes, 1):
+            self._index[(j, h)] = entry
+        self._entries.append(entry)
+        while len(self._entries) > self.max_entries:
+            old_chain, old_hashes = self._entries.popleft()
+            for j, h in enumerate(old_hashes, 1):
+                known = self._index.get((j, h))
+                if known is not None and known[0] is old_chain:
+                    del self._index[(j, h)]
 
 
 def fingerprint(
@@ -425,19 +488,27 @@ def fingerprint_with_data(
     *,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     salt: str = "",
+    memo: ChainMemo | None = None,
 ) -> tuple[Fingerprint, bytes]:
-    """``fingerprint``, and the rendered bytes it hashed (for the request's own lifetime)."""
+    """``fingerprint``, and the rendered bytes it hashed (for the request's own lifetime).
+
+    ``memo``: recent chains to reuse the shared prefix of (the same hashes, fewer calls)."""
     rendered = render(route, body)
     fp = fingerprint_rendered(
-        rendered, seed=chain_seed(_model_name(body), salt), block_bytes=block_bytes
+        rendered, seed=chain_seed(_model_name(body), salt), block_bytes=block_bytes, memo=memo
     )
     return fp, rendered.data
 
 
 def fingerprint_rendered(
-    rendered: Rendered, *, seed: int, block_bytes: int = DEFAULT_BLOCK_BYTES
+    rendered: Rendered,
+    *,
+    seed: int,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    memo: ChainMemo | None = None,
 ) -> Fingerprint:
-    """Fingerprint an already rendered request under a given chain seed."""
+    """Fingerprint an already rendered request under a given chain seed (``memo``: see
+    ``fingerprint_with_data``)."""
     data = rendered.data
     segments = rendered.segments
     ends = rendered.segment_ends()
@@ -457,7 +528,17 @@ def fingerprint_rendered(
         stable += 1
     stable_bytes = ends[stable - 1] if stable else 0
     anchor = segment_hashes[stable - 1] if stable else seed
-    blocks = block_chain(data, seed, block_bytes)
+    if memo is None:
+        blocks = block_chain(data, seed, block_bytes)
+    else:
+        seg_hashes = tuple(segment_hashes)
+        head = memo.reused(seg_hashes, ends, block_bytes)
+        if head:
+            skip = len(head) * block_bytes
+            blocks = head + block_chain(memoryview(data)[skip:], head[-1], block_bytes)
+        else:
+            blocks = block_chain(data, seed, block_bytes)
+        memo.remember(seg_hashes, blocks)
     return Fingerprint(
         block_hashes=blocks,
         block_bytes=block_bytes,

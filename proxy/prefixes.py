@@ -25,7 +25,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.fingerprint import Fingerprint, common_blocks, fingerprint_with_data
+from proxy.fingerprint import ChainMemo, Fingerprint, common_blocks, fingerprint_with_data
 from proxy.records import RequestRecord
 from proxy.routing import TRAFFIC_MAX_BLOCKS, RoutingConfig, TrafficDepth, route_key
 from proxy.store import DEFAULT_NAMESPACE, PrefixStore, StatsSample
@@ -248,6 +248,8 @@ class PrefixTracker:
         self._labels = log_prompt_labels
         self._local_in_flight: dict[str, int] = {}
         self.recent = RecentClaims()
+        self.chains = ChainMemo()
+        """Recent long prompts' chains: a prompt resending one's prefix hashes only the rest."""
 
     async def lookup(
         self,
@@ -259,7 +261,9 @@ class PrefixTracker:
         salt: str = "",
     ) -> PrefixView:
         """Fingerprint ``body``; read matches, loads and the shared depth (one round trip)."""
-        fp, rendered = fingerprint_with_data(route, body, block_bytes=self.block_bytes, salt=salt)
+        fp, rendered = fingerprint_with_data(
+            route, body, block_bytes=self.block_bytes, salt=salt, memo=self.chains
+        )
         hashes = fp.block_hashes
         found = await self.store.lookup(namespace, replicas, hashes)
         local = self._local_in_flight

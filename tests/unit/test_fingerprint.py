@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 from proxy.fingerprint import (
     DEFAULT_BLOCK_BYTES,
     SEGMENT_END,
+    ChainMemo,
     block_chain,
     chain_seed,
     fingerprint,
+    fingerprint_with_data,
     hex64,
     render,
 )
@@ -274,3 +276,58 @@ def test_segment_offsets_partition_the_data(messages: list[dict[str, Any]]) -> N
     assert len(rendered.segments) == 1 + len(messages)
     for end in rendered.segment_ends():
         assert rendered.data[end - 2 : end] == SEGMENT_END
+
+
+# -- the chain memo ------------------------------------------------------------------------------
+
+
+def _conversation(system: str, turns: list[str], salt_model: str = "m") -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return {"model": salt_model, "messages": messages}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 2),  # which system prompt
+            st.lists(st.text(max_size=300), max_size=6),  # the turns
+            st.sampled_from(["", "team-a"]),  # the tenant salt
+            st.sampled_from(["m", "other-model"]),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    st.sampled_from([16, 64, 256]),
+)
+def test_a_memo_never_changes_a_fingerprint(
+    requests: list[tuple[int, list[str], str, str]], block_bytes: int
+) -> None:
+    """Whatever was remembered, a fingerprint with the memo is the one without it."""
+    systems = ["policy " * 600, "policy " * 600 + "and more", "other " * 700]
+    memo = ChainMemo(max_entries=4, min_blocks=2)
+    for which, turns, salt, model in requests:
+        body = _conversation(systems[which], turns, model)
+        plain, _ = fingerprint_with_data(CHAT, body, block_bytes=block_bytes, salt=salt)
+        memoized, _ = fingerprint_with_data(
+            CHAT, body, block_bytes=block_bytes, salt=salt, memo=memo
+        )
+        assert memoized == plain
+    assert len(memo) <= 4
+
+
+def test_a_memo_reuses_the_shared_prefix_of_the_next_turn() -> None:
+    memo = ChainMemo()
+    first = _conversation("rules " * 20_000, ["hello"])
+    fp1, _ = fingerprint_with_data(CHAT, first, memo=memo)
+    second = _conversation("rules " * 20_000, ["hello", "hi there", "and now?"])
+    assert len(memo.reused(*_segments(second), 256)) >= len(fp1.block_hashes) - 2
+    other_tenant = memo.reused(*_segments(second, salt="team-b"), 256)
+    assert other_tenant == ()  # the salt is in every hash: nothing is shared across tenants
+
+
+def _segments(body: dict[str, Any], salt: str = "") -> tuple[tuple[int, ...], tuple[int, ...]]:
+    fp, _ = fingerprint_with_data(CHAT, body, salt=salt)
+    return fp.segment_hashes, fp.segment_ends()
