@@ -263,6 +263,22 @@ async def _relay_stream(
             now = monotonic()
             if not splitter.pending and inspector.plain_chunk(chunk, now):
                 data = chunk  # the usual read once the answer is under way: one token event
+            elif (
+                obs.t_first_visible is None and not splitter.pending and inspector.unchanged(chunk)
+            ):
+                # Token events before the first visible one is timed: they are forwarded as
+                # they are whatever they hold, so they go out first and are read after.
+                obs.inspect_s += monotonic() - now
+                if not await _write(request, resp, chunk, ex.send_timeout_s):
+                    _client_gone(ex, upstream)
+                    return resp
+                body_started = True
+                t0 = monotonic()
+                seen: list[bytes] = []
+                for event in splitter.feed(chunk):
+                    inspector.process(event, now, seen)
+                obs.inspect_s += monotonic() - t0
+                continue
             else:
                 out: list[bytes] = []
                 for event in splitter.feed(chunk):

@@ -202,6 +202,17 @@ class StreamInspector:
         obs.token_events += events
         return True
 
+    def unchanged(self, chunk: bytes) -> bool:
+        """Whether ``chunk`` (a whole upstream read) is whole token events that ``process``
+        forwards as they are: nothing is held back, and each is a plain token event (no usage,
+        timings, error or finish to act on), so it can reach the client before it is read."""
+        if self._held is not None:
+            return False
+        route = self.ex.route
+        if b"\r" not in chunk and plain_token_event(chunk, route):
+            return True
+        return plain_token_run(chunk, route) > 0
+
     def _count_token(self, now: float) -> None:
         """A plain token event passed: it is the latest token, and one more."""
         self.ex.obs.t_last_token = now

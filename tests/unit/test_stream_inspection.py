@@ -142,7 +142,8 @@ def relay_chunks(
     chunks: list[bytes], route: str, dialect: str, *, first_visible: float | None = None
 ) -> tuple[Observation, list[bytes]]:
     """The relay's own loop over upstream reads (``proxy.relay._relay_stream``): a read that is
-    nothing but plain token events is counted and forwarded whole, anything else is split."""
+    nothing but plain token events is counted and forwarded whole (before the first visible
+    token: forwarded, then read), anything else is split."""
     ex = Exchange(
         request_id="r",
         route=route,
@@ -157,6 +158,13 @@ def relay_chunks(
         now = float(i + 1)
         if not splitter.pending and inspector.plain_chunk(chunk, now):
             out.append(chunk)
+            continue
+        if ex.obs.t_first_visible is None and not splitter.pending and inspector.unchanged(chunk):
+            out.append(chunk)  # forwarded first...
+            seen: list[bytes] = []
+            for event in splitter.feed(chunk):  # ... then read
+                inspector.process(event, now, seen)
+            assert b"".join(seen) == chunk  # what reading it first would have forwarded
             continue
         for event in splitter.feed(chunk):
             inspector.process(event, now, out)
