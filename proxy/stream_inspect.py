@@ -204,14 +204,15 @@ class StreamInspector:
 
     def unchanged(self, chunk: bytes) -> bool:
         """Whether ``chunk`` (a whole upstream read) is whole token events that ``process``
-        forwards as they are: nothing is held back, and each is a plain token event (no usage,
-        timings, error or finish to act on), so it can reach the client before it is read."""
-        if self._held is not None:
-            return False
+        forwards as they are: nothing is held back, the read ends where an event ends, and each
+        is a plain token event (no usage, timings, error or finish to act on), so it can reach
+        the client before it is read."""
+        if self._held is not None or b"\r" in chunk or not chunk.endswith(b"\n\n"):
+            return False  # only whole events, which the splitter then cuts exactly as they came
+        if b'"finish_reason":"' in chunk:
+            return False  # a choice finishing (among several) may be held back
         route = self.ex.route
-        if b"\r" not in chunk and plain_token_event(chunk, route):
-            return True
-        return plain_token_run(chunk, route) > 0
+        return plain_token_event(chunk, route) or plain_token_run(chunk, route) > 0
 
     def _count_token(self, now: float) -> None:
         """A plain token event passed: it is the latest token, and one more."""

@@ -213,7 +213,7 @@ def test_a_read_cut_by_a_carriage_return_pair_is_two_events() -> None:
 @given(
     st.lists(st.tuples(mostly_plain, separators), max_size=16),
     st.lists(st.integers(min_value=0, max_value=18), max_size=8),
-    st.lists(st.integers(min_value=0, max_value=400), max_size=3),
+    st.lists(st.integers(min_value=0, max_value=3000), max_size=3),
     st.sampled_from(["llamacpp", "vllm", "openai"]),
 )
 def test_reads_of_several_events_observe_what_parsing_does(
@@ -225,7 +225,7 @@ def test_reads_of_several_events_observe_what_parsing_does(
     stream = b"".join(pieces) + usage_event + b"data: [DONE]\n\n"
     ends = [sum(len(p) for p in pieces[: i + 1]) for i in range(len(pieces))]
     at = {ends[i] for i in between if i < len(ends)}  # reads of whole events
-    at |= {min(c * 7, len(stream)) for c in cuts}  # and reads cut anywhere
+    at |= {min(c, len(stream)) for c in cuts}  # and reads cut anywhere
     points = sorted(at)
     bounds = zip([0, *points], [*points, len(stream)], strict=True)
     reads = [stream[a:b] for a, b in bounds if b > a]
@@ -272,3 +272,43 @@ def test_plain_token_run_is_every_event_plain(events: list[tuple[bytes, bytes]])
     whole = b"\r" not in chunk and b"".join(split) == chunk
     expected = len(split) if whole and all(plain_token_event(e, CHAT) for e in split) else 0
     assert plain_token_run(chunk, CHAT) == expected
+
+
+@pytest.mark.parametrize("dialect", ["llamacpp", "vllm", "openai"])
+def test_a_read_cut_inside_an_event_is_never_forwarded_twice(dialect: str) -> None:
+    """Before the first visible token, a read that ends after an event's first line break
+    (its blank line still to come) is not forwarded ahead of reading: the splitter holds it,
+    and it reaches the client once, whole."""
+    first = chat_chunk({"content": "Hel"})
+    stream = [first[:-1], b"\n", chat_chunk({"content": "lo"}), usage_event, b"data: [DONE]\n\n"]
+    _, out = relay_chunks(stream, CHAT, dialect)
+    forwarded = b"".join(out)
+    assert forwarded.count(b'"content":"Hel"') == 1
+    assert next(iter(EventSplitter().feed(forwarded))) == first
+
+
+def test_a_read_with_a_choice_finishing_is_read_before_it_is_forwarded() -> None:
+    """One choice still streaming, another finishing (``n`` > 1): the finishing event may be
+    held back (the usage event the proxy asked for comes after it), so it is read first."""
+    both = sse(
+        {
+            "choices": [
+                {"finish_reason": None, "index": 0, "delta": {"content": "a"}},
+                {"finish_reason": "stop", "index": 1, "delta": {"content": "b"}},
+            ],
+            "object": "chat.completion.chunk",
+        }
+    )
+    ex = Exchange(
+        request_id="r",
+        route=CHAT,
+        upstream_path=CHAT,
+        obs=Observation(t_start=0.0),
+        dialect=DIALECTS["llamacpp"](),
+        strip_usage=True,
+    )
+    inspector = StreamInspector(ex)
+    assert plain_token_event(both, CHAT)  # the byte check alone would take it
+    assert not inspector.unchanged(both)
+    assert inspector.unchanged(chat_chunk({"content": "a"}))
+    assert not inspector.unchanged(chat_chunk({"content": "a"})[:-1])
