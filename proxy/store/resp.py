@@ -10,8 +10,10 @@ passed) leaves its replies to be read and dropped, so the ones behind stay match
 
 It speaks RESP2 to a plain Redis or Valkey over TCP (``redis://``) or a Unix socket
 (``unix://``), with the URL's password (and user) and database. TLS and Cluster URLs keep to
-redis-py (``RedisStore`` decides). A connection lost fails every waiting call with redis-py's
-``ConnectionError`` and is opened again by the next call; error replies are redis-py's
+redis-py (``RedisStore`` decides; it keeps one link for lookups and one for batched writes). A
+connection lost fails every waiting call with redis-py's ``ConnectionError`` and is opened again
+by the next call; one whose oldest call has gone unanswered for ``stale_s`` (a peer gone without
+closing it) is dropped by the next caller to give up. Error replies are redis-py's
 errors, mapped as redis-py maps them (``NoScriptError`` for a script Redis does not hold), so the
 store's failure handling is the same whichever client made the call.
 """
@@ -53,11 +55,14 @@ class RespAddress:
         if set(query) - {"db"}:
             return None
         try:
-            db = int(query["db"][0]) if "db" in query else 0
+            db = 0
             if parts.scheme == "redis":
                 path_db = parts.path.lstrip("/")
                 if path_db:
                     db = int(path_db)
+            if "db" in query:  # the query's database wins, as redis-py has it
+                db = int(query["db"][0])
+            if parts.scheme == "redis":
                 return cls(
                     host=parts.hostname or "127.0.0.1",
                     port=parts.port or 6379,
@@ -88,6 +93,10 @@ class RespAddress:
         return out
 
 
+def _wrong_arity(reply: Any) -> bool:
+    return isinstance(reply, RedisError) and "wrong number of arguments" in str(reply).lower()
+
+
 def _error(reply: hiredis.ReplyError) -> RedisError:
     """The exception redis-py raises for the same error reply (``NOSCRIPT``: NoScriptError,
     ``MOVED``, ``ASK``, ``CROSSSLOT``: the cluster's own, ``WRONGPASS``...)."""
@@ -100,7 +109,8 @@ class _Protocol(asyncio.Protocol):
         self._link = link
         self._reader = hiredis.Reader()
         self.transport: asyncio.Transport | None = None
-        self.waiting: deque[tuple[asyncio.Future[list[Any]], int, list[Any]]] = deque()
+        self.waiting: deque[tuple[asyncio.Future[list[Any]], int, list[Any], float]] = deque()
+        """Per call sent: its future, how many replies it waits for, those read, when sent."""
         self.lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -125,7 +135,7 @@ class _Protocol(asyncio.Protocol):
                 if self.transport is not None:
                     self.transport.abort()
                 return
-            future, expected, replies = waiting[0]
+            future, expected, replies, _ = waiting[0]
             replies.append(_error(reply) if isinstance(reply, hiredis.ReplyError) else reply)
             if len(replies) == expected:
                 waiting.popleft()
@@ -139,7 +149,7 @@ class _Protocol(asyncio.Protocol):
         self.lost = True
         self._link._dropped(self)
         while self.waiting:
-            future, _, _ = self.waiting.popleft()
+            future, _, _, _ = self.waiting.popleft()
             if not future.done():
                 future.set_exception(exc)
 
@@ -148,9 +158,14 @@ class RespLink:
     """One shared, pipelined connection; ``execute`` sends commands and returns their replies
     (error replies as redis-py's exceptions, as values in place, as a pipeline does)."""
 
-    def __init__(self, address: RespAddress, *, connect_timeout_s: float) -> None:
+    def __init__(
+        self, address: RespAddress, *, connect_timeout_s: float, stale_s: float = 2.0
+    ) -> None:
         self.address = address
         self._connect_timeout_s = connect_timeout_s
+        self._stale_s = stale_s
+        """A call unanswered this long means the connection is dead (a peer gone without a
+        reset): the next caller to give up drops it, and the call after opens a new one."""
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
         self._closed = False
@@ -162,26 +177,36 @@ class RespLink:
         if protocol is None or protocol.lost:
             protocol = await self._connect()
         transport = protocol.transport
-        assert transport is not None
-        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        if protocol.lost or transport is None or transport.is_closing():
+            raise RedisConnectionError("connection to Redis lost")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Any]] = loop.create_future()
         transport.write(b"".join([hiredis.pack_command(tuple(c)) for c in commands]))
-        protocol.waiting.append((future, len(commands), []))
-        return await future
+        protocol.waiting.append((future, len(commands), [], loop.time()))
+        try:
+            return await future
+        except asyncio.CancelledError:  # the caller's deadline: is the connection dead?
+            waiting = protocol.waiting
+            if waiting and loop.time() - waiting[0][3] > self._stale_s:
+                protocol._fail(RedisConnectionError("Redis stopped answering"))
+                transport.abort()  # every call on it has failed; the next one reconnects
+            raise
 
     async def _connect(self) -> _Protocol:
         if self._closed:
             raise RedisConnectionError("the store is closed")
-        if self._connecting is None:
-            self._connecting = asyncio.ensure_future(self._open())
         connecting = self._connecting
-        try:
-            return await asyncio.shield(connecting)
-        finally:
-            if connecting.done():
-                if self._connecting is connecting:
-                    self._connecting = None
-                if not connecting.cancelled():
-                    connecting.exception()  # retrieved: a failed connect is reported to all
+        if connecting is None:
+            connecting = self._connecting = asyncio.ensure_future(self._open())
+            connecting.add_done_callback(self._connected)
+        return await asyncio.shield(connecting)
+
+    def _connected(self, connecting: asyncio.Future[_Protocol]) -> None:
+        """A connect attempt ended (even with every caller gone): the next call starts anew."""
+        if self._connecting is connecting:
+            self._connecting = None
+        if not connecting.cancelled():
+            connecting.exception()  # retrieved: a failed connect is reported to its callers
 
     async def _open(self) -> _Protocol:
         loop = asyncio.get_running_loop()
@@ -196,15 +221,13 @@ class RespLink:
                         lambda: _Protocol(self), a.host, a.port
                     )
                 hello = a.handshake()
-                if hello:
-                    assert protocol.transport is not None
-                    future: asyncio.Future[list[Any]] = loop.create_future()
-                    payload = b"".join([hiredis.pack_command(tuple(c)) for c in hello])
-                    protocol.transport.write(payload)
-                    protocol.waiting.append((future, len(hello), []))
-                    for reply in await future:
-                        if isinstance(reply, RedisError):
-                            raise reply
+                replies = await self._hello(protocol, hello) if hello else []
+                if replies and a.username and _wrong_arity(replies[0]):
+                    # A server before ACLs (Redis 5) knows AUTH with a password only.
+                    replies = await self._hello(protocol, [["AUTH", a.password], *hello[1:]])
+                for reply in replies:
+                    if isinstance(reply, RedisError):
+                        raise reply
             if self._closed:
                 raise RedisConnectionError("the store is closed")
         except BaseException as exc:  # refused, timed out, refused the password, cancelled
@@ -215,6 +238,15 @@ class RespLink:
             raise
         self._protocol = protocol
         return protocol
+
+    @staticmethod
+    async def _hello(protocol: _Protocol, commands: list[Command]) -> list[Any]:
+        assert protocol.transport is not None
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Any]] = loop.create_future()
+        protocol.transport.write(b"".join([hiredis.pack_command(tuple(c)) for c in commands]))
+        protocol.waiting.append((future, len(commands), [], loop.time()))
+        return await future
 
     def _dropped(self, protocol: _Protocol) -> None:
         if self._protocol is protocol:

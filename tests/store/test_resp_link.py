@@ -26,6 +26,7 @@ from proxy.store.resp import RespAddress, RespLink
         ("redis://:s%40cret@h:1", RespAddress(host="h", port=1, password="s@cret")),
         ("redis://alice:pw@h:1/0", RespAddress(host="h", port=1, username="alice", password="pw")),
         ("redis://h:1?db=4", RespAddress(host="h", port=1, db=4)),
+        ("redis://h:1/1?db=2", RespAddress(host="h", port=1, db=2)),  # the query wins
         ("unix:///run/redis.sock?db=1", RespAddress(path="/run/redis.sock", db=1)),
         ("rediss://h:1", None),  # TLS: redis-py's
         ("redis+cluster://h:1", None),  # Cluster: redis-py's
@@ -42,10 +43,11 @@ def test_a_store_takes_the_link_where_the_url_allows() -> None:
     assert RedisStore.from_url("rediss://127.0.0.1:1/0")._link is None
 
 
-def link_to(server: RedisServer, **address: object) -> RespLink:
+def link_to(server: RedisServer, stale_s: float = 2.0, **address: object) -> RespLink:
     return RespLink(
         RespAddress(host="127.0.0.1", port=server.port, **address),  # type: ignore[arg-type]
         connect_timeout_s=1.0,
+        stale_s=stale_s,
     )
 
 
@@ -139,3 +141,47 @@ async def test_password_user_and_database(own_redis_server: RedisServer) -> None
     finally:
         for link in links:
             await link.aclose()
+
+
+@pytest.mark.redis
+async def test_a_connection_that_stopped_answering_is_dropped(
+    own_redis_server: RedisServer,
+) -> None:
+    """A peer gone without closing the connection: once its oldest call has waited
+    ``stale_s``, the next caller to give up drops it, and later calls use a new one."""
+    link = link_to(own_redis_server, stale_s=0.2)
+    try:
+        assert await link.execute([("PING",)]) == [b"PONG"]
+        first = link._protocol
+        own_redis_server.freeze()
+        for _ in range(2):
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.05):
+                    await link.execute([("PING",)])
+        assert link._protocol is first  # young unanswered calls: kept
+        await asyncio.sleep(0.25)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await link.execute([("PING",)])
+        assert link._protocol is None  # dropped
+        own_redis_server.thaw()
+        assert await link.execute([("ECHO", "again")]) == [b"again"]
+        assert link._protocol is not first
+    finally:
+        await link.aclose()
+
+
+@pytest.mark.redis
+async def test_a_connect_every_caller_gave_up_on_is_not_reused(
+    own_redis_server: RedisServer,
+) -> None:
+    link = link_to(own_redis_server)
+    try:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.0001):  # gives up before the connect is done
+                await link.execute([("PING",)])
+        await asyncio.sleep(0.05)
+        assert link._connecting is None
+        assert await link.execute([("PING",)]) == [b"PONG"]
+    finally:
+        await link.aclose()
