@@ -178,10 +178,13 @@ class RedisStore:
         owns_client: bool = True,
         clock: Callable[[], float] = time.time,
         link: RespLink | None = None,
+        write_link: RespLink | None = None,
     ) -> None:
         self._client = client
         self._link = link
         """The scripts' own connection (``proxy.store.resp``), where the URL allows one."""
+        self._write_link = write_link or link
+        """The batched writes' (``apply_writes``): a lookup never waits behind a batch."""
         self._opts = options or StoreOptions()
         self._owns_client = owns_client
         self._clock = clock
@@ -222,8 +225,13 @@ class RedisStore:
         if cluster is not None:
             return cls(cluster, opts, owns_client=True)
         address = RespAddress.from_url(url)
-        link = RespLink(address, connect_timeout_s=t.connect_s) if address is not None else None
-        return cls(Redis.from_url(url, **common), opts, owns_client=True, link=link)
+        if address is None:
+            return cls(Redis.from_url(url, **common), opts, owns_client=True)
+        stale_s = max(t.read_s, t.write_s)  # redis-py's socket timeout, as below
+        link = RespLink(address, connect_timeout_s=t.connect_s, stale_s=stale_s)
+        writes = RespLink(address, connect_timeout_s=t.connect_s, stale_s=stale_s)
+        client = Redis.from_url(url, **common)
+        return cls(client, opts, owns_client=True, link=link, write_link=writes)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -254,6 +262,8 @@ class RedisStore:
             await self._layout.aclose()
         if self._link is not None:
             await self._link.aclose()
+        if self._write_link is not None and self._write_link is not self._link:
+            await self._write_link.aclose()
         if self._owns_client:
             await self._client.aclose()
 
@@ -311,8 +321,9 @@ class RedisStore:
             for script in ALL_SCRIPTS:
                 pipe.script_load(script.source)
             await pipe.execute()
-            if self._link is not None:  # its connection too, off the first lookup's deadline
-                await self._link.execute([("PING",)])
+            for link in {self._link, self._write_link} - {None}:  # off the first deadlines
+                assert link is not None
+                await link.execute([("PING",)])
 
         await self._guarded("warm", self._opts.timeouts.read_s, None, run)
         return not self.degraded
@@ -371,7 +382,10 @@ class RedisStore:
         return await self._eval_all([(script, keys, args) for keys, args in calls])
 
     async def _eval_all(
-        self, calls: Sequence[tuple[LuaScript, Sequence[str], Sequence[Any]]]
+        self,
+        calls: Sequence[tuple[LuaScript, Sequence[str], Sequence[Any]]],
+        *,
+        writes: bool = False,
     ) -> list[Any]:
         """Run each (script, keys, args) in one pipelined round trip (one per node, in parallel,
         on a cluster).
@@ -381,8 +395,9 @@ class RedisStore:
         in all, so that the first lookup after a restart still fits its deadline. Only those
         calls run again: a script that did run is never applied twice.
         """
-        if self._link is not None:
-            return await self._eval_on_link(self._link, calls)
+        link = self._write_link if writes else self._link
+        if link is not None:
+            return await self._eval_on_link(link, calls)
         # ``execute_command`` rather than ``pipe.evalsha``: the very same command, but redis-py's
         # cluster pipeline refuses the ``evalsha`` method wholesale (it cannot know that each
         # script's keys share a slot; ours do, and the cluster client routes EVALSHA by them).
@@ -708,7 +723,7 @@ class RedisStore:
             return
 
         async def run() -> None:
-            await self._eval_all(calls)
+            await self._eval_all(calls, writes=True)
 
         # A batch takes Redis longer than one write: its bound grows with it (0.2 ms a script).
         limit_s = self._opts.timeouts.write_s + 0.0002 * len(calls)

@@ -42,6 +42,9 @@ log = get_logger()
 
 DEFAULT_DELAY_S = 0.005
 DEFAULT_MAX_PENDING = 256
+QUEUE_LIMIT = 16
+"""Writes queued while a batch is under way, in ``max_pending`` s: past it (a store slower
+than the traffic) new writes are dropped and counted, as a failed write is lost."""
 
 
 @dataclass(slots=True)
@@ -102,6 +105,8 @@ class WriteBehind:
         self._task: asyncio.Task[None] | None = None
         self.batches = 0
         """Batches applied since start-up (for tests and metrics)."""
+        self.dropped = 0
+        """Writes dropped because the queue was full (the store falls behind the traffic)."""
 
     @property
     def pending(self) -> int:
@@ -113,7 +118,7 @@ class WriteBehind:
     def record_prefix(
         self, namespace: str, replica: str, hashes: Sequence[int], capacity_blocks: int
     ) -> None:
-        if not hashes:
+        if not hashes or self._full():
             return
         records = self._batch.records
         key = (namespace, replica, hashes[-1], len(hashes))
@@ -122,6 +127,8 @@ class WriteBehind:
         self._queued()
 
     def observe_traffic(self, namespace: str, hashes: Sequence[int]) -> None:
+        if self._full():
+            return
         self._batch.observes.append((namespace, hashes))
         self._queued()
 
@@ -132,8 +139,20 @@ class WriteBehind:
         self._queued()
 
     def add_stats(self, sample: StatsSample) -> None:
+        if self._full():
+            return
         self._batch.stats.append(sample)
         self._queued()
+
+    def _full(self) -> bool:
+        """Whether the queue is at its limit (in-flight counts are never dropped: they are
+        summed into one entry per replica, and a lost one would skew the shared loads)."""
+        if len(self._batch) < QUEUE_LIMIT * self.max_pending:
+            return False
+        if not self.dropped:
+            log.warning("store_writes_dropped", queued=len(self._batch))
+        self.dropped += 1
+        return True
 
     # -- when it is written ---------------------------------------------------------------------
 

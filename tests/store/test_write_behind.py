@@ -17,7 +17,7 @@ import pytest
 from redis_process import StoreFactory
 
 from proxy.store import PrefixStore, StatsSample
-from proxy.store.write_behind import WriteBatch, WriteBehind, apply_batch
+from proxy.store.write_behind import QUEUE_LIMIT, WriteBatch, WriteBehind, apply_batch
 
 NOW = time.time()
 BASE = (int(NOW) // 3600 - 2) * 3600  # an hour boundary one to two hours ago
@@ -203,3 +203,26 @@ async def test_a_failing_store_loses_the_batch_and_the_writes_go_on() -> None:
 async def test_an_empty_batch_writes_nothing(store: PrefixStore) -> None:
     await apply_batch(store, WriteBatch())
     assert (await store.lookup("default", [R1], [1])).loads == {R1: 0.0}
+
+
+async def test_a_store_slower_than_the_traffic_drops_writes_past_the_limit() -> None:
+    """While a batch is under way the queue grows; past its limit new writes are dropped and
+    counted (in-flight counts never are), as writes to a store that is down are lost."""
+    gate = asyncio.Event()
+
+    class Slow(Counting):
+        async def add_stats(self, *args: Any) -> None:
+            await gate.wait()
+            self._call("add_stats", args)
+
+    double = Slow()
+    behind = WriteBehind(double, delay_s=0.0, max_pending=2)  # type: ignore[arg-type]
+    behind.add_stats(sample(BASE))
+    await asyncio.sleep(0.01)  # the first batch is under way, stuck on the gate
+    for i in range(QUEUE_LIMIT * 2 + 10):
+        behind.add_stats(sample(BASE + i))
+    behind.add_in_flight("default", R1, +1)  # never dropped
+    assert behind.pending == QUEUE_LIMIT * 2 + 1 and behind.dropped == 10
+    gate.set()
+    await behind.flush()
+    assert len(double.calls) == 1 + QUEUE_LIMIT * 2 + 1
