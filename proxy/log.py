@@ -60,11 +60,15 @@ def configure_logging(*, level: str = "info", log_file: str | None = None) -> No
     )
     info = _LEVELS.get(level, logging.INFO) <= logging.INFO
     config = structlog.get_config()
-    _lines = (config["logger_factory"], config["processors"], out) if info else None
+    _lines = (
+        (config["logger_factory"], tuple(config["processors"]), config["wrapper_class"], out)
+        if info
+        else None
+    )
 
 
-_lines: tuple[Any, Any, BinaryIO] | None = None
-"""The factory, processors and stream ``configure_logging`` installed, for ``info_line``."""
+_lines: tuple[Any, tuple[Any, ...], Any, BinaryIO] | None = None
+"""The factory, processors, wrapper and stream ``configure_logging`` installed (``info_line``)."""
 
 
 def info_line(event: str, fields: dict[str, Any]) -> bool:
@@ -78,14 +82,20 @@ def info_line(event: str, fields: dict[str, Any]) -> bool:
     if lines is None:
         return False
     config = structlog.get_config()
-    if config["logger_factory"] is not lines[0] or config["processors"] is not lines[1]:
+    if (
+        config["logger_factory"] is not lines[0]
+        or config["wrapper_class"] is not lines[2]
+        or tuple(config["processors"]) != lines[1]  # a capture edits the list in place
+    ):
         return False
     fields["event"] = event
     for key, value in structlog.contextvars.get_contextvars().items():
         fields.setdefault(key, value)
     fields["level"] = "info"
     fields["logged_at"] = datetime.now(UTC).isoformat().replace("+00:00", "Z")
-    lines[2].write(_dumps(fields) + b"\n")
+    out = lines[3]
+    out.write(_dumps(fields) + b"\n")
+    out.flush()  # as structlog's logger does: stdout is buffered
     return True
 
 

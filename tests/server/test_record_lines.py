@@ -107,3 +107,19 @@ def test_a_record_line_defers_to_a_capture(tmp_path: Path) -> None:
         assert info_line("request", {"status": 200}) is False  # info lines are filtered out
     finally:
         configure_logging()
+
+
+def test_a_record_line_defers_to_capture_logs(tmp_path: Path) -> None:
+    """``structlog.testing.capture_logs`` edits the processors in place: still noticed."""
+    import structlog
+
+    from proxy.log import info_line
+
+    configure_logging(log_file=str(tmp_path / "unused.jsonl"))
+    try:
+        with structlog.testing.capture_logs() as logs:
+            assert info_line("request", {"status": 200}) is False
+        assert logs == []
+        assert info_line("request", {"status": 200}) is True  # the capture is over
+    finally:
+        configure_logging()
