@@ -334,7 +334,8 @@ class PrefixTracker:
         request in the traffic window at arrival (as the fleet simulator does), so a burst
         sharing a system prompt is seen as shared traffic while it is still arriving.
 
-        With write behind, the store's writes are queued and None is returned."""
+        With write behind, the store's writes are queued and None is returned: the traffic
+        count then lands with the batch (``--store-write-delay-ms`` later)."""
         hashes = view.fp.block_hashes
         if hashes:
             self.recent.add(view.namespace, replica, hashes, time.monotonic())
