@@ -80,13 +80,10 @@ from proxy.store.ranking import (
     LABEL,
     LAST_SEEN,
     PrefixStat,
-    anchor_increments,
     rank,
-    trim_threshold,
 )
 from proxy.store.redis_cluster import CLUSTER_ANSWERS, ClusterLayout, cluster_client
 from proxy.store.redis_scripts import (
-    ADD_STATS,
     ALL_SCRIPTS,
     IN_FLIGHT,
     LOADS_READ,
@@ -97,13 +94,12 @@ from proxy.store.redis_scripts import (
     LuaScript,
     pack_chain,
 )
+from proxy.store.redis_stats import add_stats_calls
 from proxy.store.resp import RespAddress, RespLink
-from proxy.store.stats import StatsSample, sample_increments
+from proxy.store.stats import StatsSample
 from proxy.store.window import (
-    HOUR_S,
     MINUTE_S,
     StatsWindow,
-    bucket_field,
     hours_between,
 )
 from proxy.store.window_query import WindowQuery
@@ -375,12 +371,6 @@ class RedisStore:
                 hint="the Redis URL names a cluster node: use redis+cluster://host:port",
             )
 
-    async def _eval_each(
-        self, script: LuaScript, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
-    ) -> list[Any]:
-        """Run ``script`` once per (keys, args) in one pipelined round trip."""
-        return await self._eval_all([(script, keys, args) for keys, args in calls])
-
     async def _eval_all(
         self,
         calls: Sequence[tuple[LuaScript, Sequence[str], Sequence[Any]]],
@@ -396,41 +386,13 @@ class RedisStore:
         calls run again: a script that did run is never applied twice.
         """
         link = self._write_link if writes else self._link
-        if link is not None:
-            return await self._eval_on_link(link, calls)
-        # ``execute_command`` rather than ``pipe.evalsha``: the very same command, but redis-py's
-        # cluster pipeline refuses the ``evalsha`` method wholesale (it cannot know that each
-        # script's keys share a slot; ours do, and the cluster client routes EVALSHA by them).
-        pipe = self._client.pipeline(transaction=False)
-        for script, keys, args in calls:
-            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-        results = list(await pipe.execute(raise_on_error=False))
-        missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
-        if missing:
-            pipe = self._client.pipeline(transaction=False)
-            for i in missing:
-                script, keys, args = calls[i]
-                pipe.execute_command("EVAL", script.source, len(keys), *keys, *args)
-            again = await pipe.execute(raise_on_error=False)
-            for i, r in zip(missing, again, strict=True):
-                results[i] = r
-        for r in results:
-            if isinstance(r, Exception):
-                raise r
-        return results
-
-    @staticmethod
-    async def _eval_on_link(
-        link: RespLink, calls: Sequence[tuple[LuaScript, Sequence[str], Sequence[Any]]]
-    ) -> list[Any]:
-        """``_eval_all`` over the scripts' own connection: the same commands, the same retry
-        with the source for the scripts a restarted Redis no longer holds."""
-        results = await link.execute(
+        send = link.execute if link is not None else self._pipelined
+        results = await send(
             [("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args in calls]
         )
         missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
         if missing:
-            again = await link.execute(
+            again = await send(
                 [
                     ("EVAL", calls[i][0].source, len(calls[i][1]), *calls[i][1], *calls[i][2])
                     for i in missing
@@ -442,6 +404,18 @@ class RedisStore:
             if isinstance(r, Exception):
                 raise r
         return results
+
+    async def _pipelined(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """``commands`` in one redis-py pipeline; errors as values in place.
+
+        ``execute_command`` rather than ``pipe.evalsha``: the very same command, but redis-py's
+        cluster pipeline refuses the ``evalsha`` method wholesale (it cannot know that each
+        script's keys share a slot; ours do, and the cluster client routes EVALSHA by them).
+        """
+        pipe = self._client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(await pipe.execute(raise_on_error=False))
 
     # -- keys -----------------------------------------------------------------------------------
 
@@ -490,10 +464,10 @@ class RedisStore:
         if not hashes:
             return dict.fromkeys(replicas, 0)
         chain = pack_chain(hashes)
-        calls = [((self.index_key(namespace, r),), (chain,)) for r in replicas]
+        calls: list[_Call] = [(LOOKUP, (self.index_key(namespace, r),), (chain,)) for r in replicas]
 
         async def run() -> dict[str, int]:
-            counts = await self._eval_each(LOOKUP, calls)
+            counts = await self._eval_all(calls)
             return {r: int(c) for r, c in zip(replicas, counts, strict=True)}
 
         return await self._guarded("lookup", self._opts.timeouts.lookup_s, {}, run, scripts=True)
@@ -636,70 +610,12 @@ class RedisStore:
         await self._guarded("add_stats", self._opts.timeouts.write_s, None, run, scripts=True)
 
     def _stats_calls(self, samples: Sequence[StatsSample]) -> list[_Call]:
-        """The ``ADD_STATS`` runs that add ``samples``: the samples of one bucket (namespace,
-        minute, model, backend) summed into one, each anchor's hour too, and an anchor's
-        counters carried by a run of its own minute where there is one."""
-        retention, now = self._opts.stats_retention_s, self._clock()
-        buckets: dict[tuple[str, int, str, str], dict[str, float]] = {}
-        anchors: dict[tuple[str, int, str], tuple[dict[str, float], float, str, int]] = {}
-        for sample in samples:
-            minute, hour = int(sample.ts // MINUTE_S), int(sample.ts // HOUR_S)
-            if int((hour + 1) * HOUR_S + retention) <= now:
-                continue  # older than anything kept
-            ns = sample.namespace
-            counters = buckets.setdefault((ns, minute, sample.model, sample.backend), {})
-            for name, value in sample_increments(sample).items():
-                counters[name] = counters.get(name, 0.0) + value
-            anchor_inc = anchor_increments(sample)
-            if anchor_inc is None or not sample.prefix_anchor:
-                continue
-            key = (ns, hour, sample.prefix_anchor)
-            known = anchors.get(key)
-            if known is None:
-                anchors[key] = (dict(anchor_inc), sample.ts, sample.prefix_label or "", minute)
-                continue
-            summed, ts, label, first_minute = known
-            for name, value in anchor_inc.items():
-                summed[name] = summed.get(name, 0.0) + value
-            anchors[key] = (summed, max(ts, sample.ts), sample.prefix_label or label, first_minute)
-        cap = self._opts.top_prefixes_cap
-        anchor_args: dict[tuple[str, int], list[list[Any]]] = {}
-        for (ns, _, anchor), (summed, ts, label, minute) in anchors.items():
-            args: list[Any] = [anchor, repr(ts), label, cap, trim_threshold(cap)]
-            for name, value in summed.items():
-                args += (name, repr(value))
-            anchor_args.setdefault((ns, minute), []).append(args)
-        calls: list[_Call] = []
-        for (ns, minute, model, backend), counters in buckets.items():
-            args = self._bucket_args(minute, counters, model, backend)
-            pending = anchor_args.get((ns, minute))
-            args += pending.pop() if pending else [""]
-            calls.append((ADD_STATS, self._stats_keys(ns, minute), args))
-        for (ns, minute), rest in anchor_args.items():
-            for extra in rest:
-                args = self._bucket_args(minute, {}, "", "")
-                calls.append((ADD_STATS, self._stats_keys(ns, minute), args + extra))
-        return calls
-
-    def _bucket_args(
-        self, minute: int, counters: Mapping[str, float], model: str, backend: str
-    ) -> list[Any]:
-        retention = self._opts.stats_retention_s
-        hour = int(minute * MINUTE_S // HOUR_S)
-        minute_expire = int((minute + 1) * MINUTE_S + retention)
-        hour_expire = int((hour + 1) * HOUR_S + retention)
-        args: list[Any] = [minute_expire, hour_expire, len(counters)]
-        for name, value in counters.items():
-            args += (bucket_field(model, backend, name), repr(value))
-        return args
-
-    def _stats_keys(self, ns: str, minute: int) -> tuple[str, str, str, str]:
-        hour = int(minute * MINUTE_S // HOUR_S)
-        return (
-            self._stats_key(ns, "m", minute),
-            self._stats_key(ns, "h", hour),
-            self._stats_key(ns, "top", hour),
-            self._stats_key(ns, "anchor", hour),
+        return add_stats_calls(
+            samples,
+            stats_key=self._stats_key,
+            retention_s=self._opts.stats_retention_s,
+            top_cap=self._opts.top_prefixes_cap,
+            now=self._clock(),
         )
 
     # -- write behind ---------------------------------------------------------------------------
