@@ -261,24 +261,15 @@ async def _relay_stream(
     try:
         async for chunk in upstream.content.iter_any():
             now = monotonic()
+            read_after = False
             if not splitter.pending and inspector.plain_chunk(chunk, now):
                 data = chunk  # the usual read once the answer is under way: one token event
             elif (
                 obs.t_first_visible is None and not splitter.pending and inspector.unchanged(chunk)
             ):
-                # Token events before the first visible one is timed: they are forwarded as
-                # they are whatever they hold, so they go out first and are read after.
-                obs.inspect_s += monotonic() - now
-                if not await _write(request, resp, chunk, ex.send_timeout_s):
-                    _client_gone(ex, upstream)
-                    return resp
-                body_started = True
-                t0 = monotonic()
-                seen: list[bytes] = []
-                for event in splitter.feed(chunk):
-                    inspector.process(event, now, seen)
-                obs.inspect_s += monotonic() - t0
-                continue
+                # Token events before the first visible one is timed: forwarded as they are
+                # whatever they hold, so they go out first and are read after.
+                data, read_after = chunk, True
             else:
                 out: list[bytes] = []
                 for event in splitter.feed(chunk):
@@ -290,6 +281,12 @@ async def _relay_stream(
                     _client_gone(ex, upstream)
                     return resp
                 body_started = True
+            if read_after:
+                t0 = monotonic()
+                forwarded: list[bytes] = []  # the events of ``data``, already sent
+                for event in splitter.feed(chunk):
+                    inspector.process(event, now, forwarded)
+                obs.inspect_s += monotonic() - t0
     except TimeoutError:
         failure = BackendTimeout("backend stopped sending mid-stream")
         ex.error = "backend_timeout"

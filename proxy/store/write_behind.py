@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from proxy.log import get_logger
 
@@ -63,10 +63,6 @@ class WriteBatch:
 
     def __len__(self) -> int:
         return len(self.records) + len(self.observes) + len(self.in_flight) + len(self.stats)
-
-
-class BatchWriter(Protocol):
-    async def apply_writes(self, batch: WriteBatch) -> None: ...
 
 
 async def apply_batch(store: PrefixStore, batch: WriteBatch) -> None:
