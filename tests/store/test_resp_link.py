@@ -43,6 +43,13 @@ def test_a_store_takes_the_link_where_the_url_allows() -> None:
     assert RedisStore.from_url("rediss://127.0.0.1:1/0")._link is None
 
 
+async def given_up(link: RespLink, *command: object, after_s: float = 0.05) -> None:
+    """A call whose caller gives up (its deadline) before Redis answers."""
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(after_s):
+            await link.execute([command])
+
+
 def link_to(server: RedisServer, stale_s: float = 2.0, **address: object) -> RespLink:
     return RespLink(
         RespAddress(host="127.0.0.1", port=server.port, **address),  # type: ignore[arg-type]
@@ -75,9 +82,7 @@ async def test_a_call_given_up_leaves_the_next_ones_matched(
     try:
         assert await link.execute([("PING",)]) == [b"PONG"]
         own_redis_server.freeze()
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.05):
-                await link.execute([("ECHO", "late")])
+        await given_up(link, "ECHO", "late")
         own_redis_server.thaw()
         assert await link.execute([("ECHO", "next")]) == [b"next"]
     finally:
@@ -155,14 +160,10 @@ async def test_a_connection_that_stopped_answering_is_dropped(
         first = link._protocol
         own_redis_server.freeze()
         for _ in range(2):
-            with pytest.raises(TimeoutError):
-                async with asyncio.timeout(0.05):
-                    await link.execute([("PING",)])
+            await given_up(link, "PING")
         assert link._protocol is first  # young unanswered calls: kept
         await asyncio.sleep(0.25)
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.05):
-                await link.execute([("PING",)])
+        await given_up(link, "PING")
         assert link._protocol is None  # dropped
         own_redis_server.thaw()
         assert await link.execute([("ECHO", "again")]) == [b"again"]
@@ -177,9 +178,7 @@ async def test_a_connect_every_caller_gave_up_on_is_not_reused(
 ) -> None:
     link = link_to(own_redis_server)
     try:
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.0001):  # gives up before the connect is done
-                await link.execute([("PING",)])
+        await given_up(link, "PING", after_s=0.0001)  # before the connect is done
         await asyncio.sleep(0.05)
         assert link._connecting is None
         assert await link.execute([("PING",)]) == [b"PONG"]

@@ -15,26 +15,15 @@ from typing import Any
 
 import pytest
 from redis_process import StoreFactory
+from test_store_stats import sample
 
-from proxy.store import PrefixStore, StatsSample
+from proxy.store import PrefixStore
 from proxy.store.write_behind import QUEUE_LIMIT, WriteBatch, WriteBehind, apply_batch
 
 NOW = time.time()
 BASE = (int(NOW) // 3600 - 2) * 3600  # an hour boundary one to two hours ago
 R1, R2 = "http://r1:8080", "http://r2:8080"
 RULES = ["json_keys", "volatile"]
-
-
-def sample(ts: float, **fields: Any) -> StatsSample:
-    values: dict[str, Any] = {
-        "namespace": "default",
-        "model": "m1",
-        "backend": "b1",
-        "status": 200,
-        "error": False,
-    }
-    values.update(fields)
-    return StatsSample(ts=ts, **values)
 
 
 def workload(seed: int) -> list[tuple[str, tuple[Any, ...]]]:
