@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from proxy.backends.llamacpp_tokens import CachedPrompt, PromptQuery, TokenCounter
 from proxy.fingerprint import common_blocks
@@ -110,6 +111,9 @@ class Pick:
     """The state the request's cached tokens come from."""
 
 
+_PROMPT_TOKENS = attrgetter("prompt_tokens")
+_GENERATED = attrgetter("generated")
+
 MAX_RAM_ENTRIES = 64  # the model scans them for every idle slot on every placement
 
 
@@ -143,20 +147,37 @@ class RamCache:
         self.rules = rules
 
     def tokens(self) -> float:
-        return sum(e.tokens for e in self.entries)
+        """What the entries hold (``CachedPrompt.tokens`` summed; the sums in C: ``trim`` asks
+        at every save)."""
+        generated: list[float] = [g for g in map(_GENERATED, self.entries) if g > 1.0]
+        prompt: float = sum(map(_PROMPT_TOKENS, self.entries))
+        return prompt + sum(generated) - len(generated)
 
     def holds(self, state: CachedPrompt) -> bool:
         """An entry holds all of ``state`` (its prompt is a prefix of the entry's)."""
         entries = self.entries
         if state in entries:  # the same state saved again (an idle slot, at every launch)
             return True  # (states compare by identity: a scan in C)
-        return any(contains(e, state) for e in entries)
+        return any(contains(e, state) for e in self._same_start(state))
+
+    def _same_start(self, state: CachedPrompt) -> list[CachedPrompt]:
+        """The entries that may hold, or be held by, ``state``: a state whose blocks start
+        otherwise holds no other whole (``contains``' first test), so only these are compared."""
+        if not state.hashes:
+            return self.entries
+        first = state.hashes[0]
+        return [e for e in self.entries if not e.hashes or e.hashes[0] == first]
 
     def save(self, state: CachedPrompt | None) -> None:
         """``alloc``: skip a state already held; drop what it holds whole; evict oldest."""
-        if state is None or not self.rules.cache_ram or self.holds(state):
+        if state is None or not self.rules.cache_ram or state in self.entries:
             return
-        self.entries = [e for e in self.entries if not contains(state, e)]
+        near = self._same_start(state)
+        if any(contains(e, state) for e in near):
+            return
+        held = [e for e in near if contains(state, e)]
+        if held:
+            self.entries = [e for e in self.entries if e not in held]
         self.entries.append(state)
         self.trim()
 

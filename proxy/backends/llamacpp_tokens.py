@@ -178,11 +178,13 @@ class TokenCounter:
         """Within it, ``shared(state, query)`` is computed once per state: one placement asks
         it of the same states for every slot (the RAM cache's entries above all), and nothing
         the answer depends on changes meanwhile."""
-        self._scope, self._memo = query, {}
+        outer = self._scope, self._memo
+        if query is not outer[0]:  # the same query's scope again (nested): one memo
+            self._scope, self._memo = query, {}
         try:
             yield
         finally:
-            self._scope, self._memo = None, {}
+            self._scope, self._memo = outer
 
     def shared(self, state: CachedPrompt, query: PromptQuery) -> Shared:
         """Tokens of ``query`` that ``state`` holds (before the one-token cap)."""

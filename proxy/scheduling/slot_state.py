@@ -171,8 +171,9 @@ class SlotChoice:
     reason: str
     matched_tokens: float
     uncached_tokens: float
-    expected_end_s: float
-    """Expected seconds from now until the request ends."""
+    expected_end_s: float | None
+    """Expected seconds from now until the request ends; None when not estimated (every slot
+    busy and none holding the prefix: the server picks, and no other choice is weighed)."""
     pinned: bool = True
     """False: ``slot`` is where the server is expected to put it unpinned (``slot_server``)."""
     pick: Pick | None = None

@@ -238,7 +238,7 @@ class SlotTable:
         best: tuple[tuple[float, ...], SlotChoice] | None = None
         holder_seen = False
         any_idle = False
-        views = self._views(now)
+        views: list[SlotView] = []  # what the cache model sees, once a slot is idle
         # What placing on an idle slot costs depends only on the tokens it leaves to prefill,
         # which few slots differ in: computed once per distinct value, not once per slot.
         idle_costs: dict[float, tuple[float, float]] = {}
@@ -254,7 +254,8 @@ class SlotTable:
 
         for slot in self.slots:
             if slot.idle(now):
-                any_idle = True
+                if not any_idle:
+                    any_idle, views = True, self._views(now)
                 outcome = pick(
                     views, self.ram, query, self.counter, pinned=slot.id, rules=self.rules
                 )
@@ -298,9 +299,8 @@ class SlotTable:
                     )
                     best = ((cost,), choice)
         if best is None:  # every slot busy, none holding the prefix: the server picks
-            unpinned_end = self._first_free(now, rates, prefilling) + req.prompt_tokens * p
-            unpinned_end += decode_s
-            return SlotChoice(None, SLOT_BUSY, 0.0, req.prompt_tokens, unpinned_end - now)
+            # (its end is not estimated: nothing weighs it against another choice)
+            return SlotChoice(None, SLOT_BUSY, 0.0, req.prompt_tokens, None)
         choice = best[1]
         if choice.reason == SLOT_PLACE and holder_seen:
             choice = replace(choice, reason=SLOT_PARALLEL)
@@ -308,6 +308,7 @@ class SlotTable:
             # Every slot is busy. Waiting for a particular one must beat taking the first to free.
             unpinned_end = self._first_free(now, rates, prefilling) + req.prompt_tokens * p
             unpinned_end += decode_s
+            assert choice.expected_end_s is not None  # a queue's end is always estimated
             if unpinned_end <= now + choice.expected_end_s:
                 return SlotChoice(None, SLOT_BUSY, 0.0, req.prompt_tokens, unpinned_end - now)
         return choice
@@ -438,9 +439,15 @@ class SlotTable:
     def _start(self, slot: Slot, task: SlotTask, now: float, outcome: Pick | None = None) -> None:
         """``task`` begins on the idle ``slot``: apply what the server does at a launch."""
         task.t_start = now
+        query = self._query(task)
+        with self.counter.scope(query):  # pick, launch and the match ask of the same states
+            self._launch(slot, task, query, now, outcome)
+
+    def _launch(
+        self, slot: Slot, task: SlotTask, query: PromptQuery, now: float, outcome: Pick | None
+    ) -> None:
         views = self._views(now)
         views[slot.id].busy = False
-        query = self._query(task)
         if outcome is None or outcome.slot != slot.id:
             # A request that waited unpinned for any slot takes the server's unpinned path (its
             # LRU choice saves and restores); the slot that freed is the one it gets.
