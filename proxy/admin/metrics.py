@@ -34,10 +34,11 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from proxy.admin.series import LoopCounter, LoopHistogram
 from proxy.control import CONTROL, TREATED
 from proxy.records import RequestRecord
 from proxy.state import ProxyState
@@ -140,13 +141,14 @@ class ProxyMetrics:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         reg = self.registry
 
-        def counter(name: str, doc: str, labels: Sequence[str] = MODEL_BACKEND) -> Counter:
-            return Counter(name, doc, labels, registry=reg)
+        # Updated from the event loop only: values kept without locks (``proxy.admin.series``).
+        def counter(name: str, doc: str, labels: Sequence[str] = MODEL_BACKEND) -> LoopCounter:
+            return LoopCounter(name, doc, labels, registry=reg)
 
         def histogram(
             name: str, doc: str, buckets: Sequence[float], labels: Sequence[str] = MODEL_BACKEND
-        ) -> Histogram:
-            return Histogram(name, doc, labels, registry=reg, buckets=buckets)
+        ) -> LoopHistogram:
+            return LoopHistogram(name, doc, labels, registry=reg, buckets=buckets)
 
         self.requests = counter(
             "prefixgate_requests", "requests by HTTP status sent", ("model", "backend", "status")
