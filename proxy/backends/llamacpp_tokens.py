@@ -159,6 +159,9 @@ def _common_segments(a: Fingerprint, b: Fingerprint) -> int:
     return common_blocks(a.segment_hashes, b.segment_hashes)
 
 
+_NOTHING = Shared(0.0)
+
+
 @dataclass(slots=True)
 class TokenCounter:
     """Turns a match between a cached state and a request into tokens (see the module text)."""
@@ -206,6 +209,8 @@ class TokenCounter:
             if segs == len(qfp.segment_hashes):  # the request is all in the state
                 return Shared(query.prompt_tokens)
             blocks = common_blocks(query.hashes, state.hashes)
+            if not segs and not blocks:
+                return _NOTHING  # what the rest computes when the two part in the first byte
             seg_end = qfp.segments[segs].start if segs else 0
             block_end = blocks * qfp.block_bytes
             density = query.prompt_tokens / max(qfp.total_bytes, 1)

@@ -132,6 +132,8 @@ class SlotTable:
         self._choosing = False
         self._live: tuple[float, float] | None = None
         self._emptied_seen = 0
+        self._incoming: tuple[PromptQuery, CachedPrompt] | None = None
+        """The request being weighed, as the state it would leave (``eviction_s``)."""
         """Whether ``/slots`` showing idle slots emptied may switch the model to unified KV."""
 
     def set_rules(self, rules: ServerRules) -> None:
@@ -264,11 +266,15 @@ class SlotTable:
                 shared_s, imposed_s = idle_cost(uncached)
                 end = now + (shared_s + uncached) * p + decode_s
                 cost = end + imposed_s + self.eviction_s(slot, outcome, query, now, rates)
+                key = (cost, -matched, 1.0 if slot.content else 0.0, slot.last_used, float(slot.id))
+                if best is not None and not key < best[0]:
+                    continue  # (the choice is built only for a slot that leads)
                 if matched < useful_tokens:
                     reason = SLOT_PLACE
                 else:
                     reason = SLOT_RAM if outcome.source == SOURCE_RAM else SLOT_HIT
                 choice = SlotChoice(slot.id, reason, matched, uncached, end - now, pick=outcome)
+                best = (key, choice)
             else:
                 held = slot.holds_after_queue()
                 if quick_reject and (not held or not req.hashes or held[0] != req.hashes[0]):
@@ -279,11 +285,9 @@ class SlotTable:
                 holder_seen = True
                 uncached = req.prompt_tokens - matched
                 end = self.free_at(slot, now, rates, prefilling) + uncached * p + decode_s
-                cost = end
-                choice = SlotChoice(slot.id, SLOT_QUEUE, matched, uncached, end - now)
-            key = (cost, -matched, 1.0 if slot.content else 0.0, slot.last_used, float(slot.id))
-            if best is None or key < best[0]:
-                best = (key, choice)
+                key = (end, -matched, 1.0 if slot.content else 0.0, slot.last_used, float(slot.id))
+                if best is None or key < best[0]:
+                    best = (key, SlotChoice(slot.id, SLOT_QUEUE, matched, uncached, end - now))
         if any_idle and best is not None:
             server = pick(views, self.ram, query, self.counter, pinned=None, rules=self.rules)
             if server.slot is not None:
@@ -383,7 +387,14 @@ class SlotTable:
         held = slot.state
         if held is None or (outcome.loaded is None and self.counter.shared(held, query).continues):
             return 0.0  # nothing there, or the request extends what is there
-        incoming = CachedPrompt(hashes=query.hashes, prompt_tokens=query.prompt_tokens, fp=query.fp)
+        last = self._incoming
+        if last is None or last[0] is not query:  # one per request, whichever slot is weighed
+            incoming = CachedPrompt(
+                hashes=query.hashes, prompt_tokens=query.prompt_tokens, fp=query.fp
+            )
+            self._incoming = (query, incoming)
+        else:
+            incoming = last[1]
         kept = self.counter.cached(incoming, probe_of(held))
         lost = max(held.tokens - kept, 0.0)
         if lost <= 0.0:
