@@ -197,3 +197,31 @@ def test_messages_do_not_quote_the_request() -> None:
     exc = BadHttpMessage("Pause on PRI/Upgrade:\n\n  b''\n  ^")
     assert "HTTP/2" in message_of(error_for(400, exc, exc.message))
     assert message_of(error_for(400, None, None)).endswith("malformed HTTP request")
+
+
+def test_collector_tuned_once_started() -> None:
+    """The process's server sets start-up's objects aside and raises the collector's thresholds;
+    what is collected is unchanged: a cycle made afterwards is still freed."""
+    import gc
+    import weakref
+
+    from proxy.server import GC_YOUNG_OBJECTS, tune_collector
+
+    before = gc.get_threshold()
+    try:
+        tune_collector()
+        assert gc.get_threshold() == (GC_YOUNG_OBJECTS, 20, 20)
+        assert gc.get_freeze_count() > 0
+
+        class Node:
+            other: object = None
+
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        gone = weakref.ref(a)
+        del a, b
+        gc.collect()
+        assert gone() is None
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
