@@ -45,6 +45,13 @@ async def read_body(request: web.Request, limit: int, *, idle_s: float | None = 
     content = request.content
     loop = asyncio.get_running_loop()
     try:
+        if content.is_eof():
+            # The whole body came with the head (the common case): it is in the buffer, and
+            # taking it needs no wait and no deadline.
+            body = content.read_nowait(-1)
+            if len(body) > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            return body
         # One deadline, moved on by every piece. The pieces are the reads as they arrived
         # (``readchunk``; ``readany`` would join what is buffered first), joined once at the end.
         async with asyncio.timeout(idle_s) as silence:

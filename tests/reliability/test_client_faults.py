@@ -180,6 +180,29 @@ async def test_body_that_never_ends_is_408(stack: Stack, http: aiohttp.ClientSes
     stack.assert_alive()
 
 
+async def test_a_body_that_came_with_its_head_is_read_whole(stack: Stack) -> None:
+    """A chunked body whose pieces all arrive with the head (one write) is read as one, and
+    so is one over the size limit: 413."""
+    body = orjson.dumps(chat("in one write, several pieces"))
+    pieces = [body[i : i + 7] for i in range(0, len(body), 7)]
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\nTransfer-Encoding: chunked\r\n"
+    head += b"Content-Type: application/json\r\n\r\n"
+    big = b'{"messages": [], "x": "' + b"a" * (2 * MiB) + b'"}'
+    too_big = http_request(CHAT, big)
+
+    async def send(raw: bytes) -> bytes:
+        reader, writer = await open_raw(stack.proxy.port)
+        writer.write(raw)
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        writer.close()
+        return answer
+
+    assert (await send(head + chunked)).startswith(b"HTTP/1.1 200"), "pieces not joined"
+    assert (await send(too_big)).startswith(b"HTTP/1.1 413")
+    stack.assert_alive()
+
+
 async def test_a_thousand_concurrent_connections(procs: Procs) -> None:
     """1,000 requests at once (half streamed), each held open by the backend for a second,
     all complete; the backend saw them concurrently and the proxy serves on afterwards."""
