@@ -41,7 +41,6 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import add
 
 import xxhash
 
@@ -357,13 +356,25 @@ class TrafficWindow:
         cur.counts.update(hashes[:TRAFFIC_MAX_BLOCKS])  # +1 each (a Counter's loop runs in C)
 
     def counts(self, hashes: Sequence[int], now: float) -> tuple[int, list[int]]:
-        """``(window_requests, count per hash)`` for the leading ``hashes``."""
+        """``(window_requests, count per hash)`` for the leading ``hashes`` (a block chain).
+
+        Read up to the first hash no request carried: block hashes chain, so a request that
+        carries one carries every one before it, and every count after a zero is zero too
+        (a request's own unique blocks are most of the table and need no lookup).
+        """
         self._roll(now)
         cur, prev = self._current.counts, self._previous.counts
         window = self._current.requests + self._previous.requests
         head = hashes[:TRAFFIC_MAX_BLOCKS]
-        zeros = itertools.repeat(0)
-        return window, list(map(add, map(cur.get, head, zeros), map(prev.get, head, zeros)))
+        out: list[int] = []
+        for h in head:
+            count = cur.get(h, 0) + prev.get(h, 0)
+            if not count:
+                break
+            out.append(count)
+        if len(out) < len(head):
+            out.extend(itertools.repeat(0, len(head) - len(out)))
+        return window, out
 
 
 class _Bucket:

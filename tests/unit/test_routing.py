@@ -275,7 +275,8 @@ def test_traffic_window_rolls_over_two_buckets() -> None:
     window.observe([1, 5], now=70.0)  # next bucket: the first two are still in the window
     assert window.counts([1, 2, 5], now=100.0) == (3, [3, 2, 1])
     assert window.counts([1, 2, 5], now=50.0) == (3, [3, 2, 1])  # the clock stepped back
-    assert window.counts([1, 2, 5], now=130.0) == (1, [1, 0, 1])  # the first bucket is gone
+    assert window.counts([1, 5], now=130.0) == (1, [1, 1])  # the first bucket is gone
+    assert window.counts([1, 2, 3], now=130.0) == (1, [1, 0, 0])
     assert window.counts([1, 2, 5], now=500.0) == (0, [0, 0, 0])  # a long pause clears all
 
 
@@ -341,3 +342,37 @@ def test_weighted_rendezvous_is_finite_for_every_hash(key: int) -> None:
     """Every 64-bit key gives every replica a finite positive score."""
     for replica in (A, B):
         assert 0.0 < weighted_rendezvous(key, Candidate(replica, 0, 0.0)) < float("inf")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 80), st.floats(0.0, 400.0)), max_size=40),
+    st.integers(0, 3),
+    st.integers(0, 80),
+)
+def test_traffic_counts_equal_a_count_of_every_hash(
+    requests: list[tuple[int, int, float]], family: int, length: int
+) -> None:
+    """The window reads counts only up to the first zero; every count it gives is the count of
+    the requests, in the window's buckets, that carried the hash (chained: a request carrying a
+    block carries every one before it)."""
+    from collections import Counter
+
+    def chain(f: int, n: int) -> list[int]:
+        return [hash((f, i)) & (2**64 - 1) for i in range(n)]
+
+    window = TrafficWindow(bucket_s=120.0)
+    seen: list[tuple[float, list[int]]] = []
+    now = 0.0
+    for f, n, dt in requests:
+        now += dt
+        window.observe(chain(f, n), now)
+        seen.append((now, chain(f, n)[:TRAFFIC_MAX_BLOCKS]))
+    index = int(now // 120.0)
+    expected: Counter[int] = Counter()
+    for t, hashes in seen:
+        if int(t // 120.0) in (index, index - 1):
+            expected.update(hashes)
+    query = chain(family, length)
+    _, counts = window.counts(query, now)
+    assert counts == [expected[h] for h in query[:TRAFFIC_MAX_BLOCKS]]
