@@ -56,7 +56,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     """Stamp arrival time and request id; turn stray failures into OpenAI-shaped errors."""
     request[T_START] = monotonic()
     given = request.headers.get("X-Request-Id", "")
-    rid = given if _REQUEST_ID_OK.match(given) else os.urandom(16).hex()  # uuid4's 32 hex digits
+    rid = given if _REQUEST_ID_OK.match(given) else os.urandom(16).hex()  # 32 hex digits
     request[REQUEST_ID] = rid
     structlog.contextvars.bind_contextvars(request_id=rid)
     try:

@@ -69,12 +69,13 @@ _log = get_logger()
 
 GC_YOUNG_OBJECTS = 10_000
 """Python's cyclic collector runs its youngest generation once this many more container objects
-were allocated than freed (CPython's default is 700), and each older one every 20 runs of the one
-below (default 10). A request allocates thousands of short-lived dicts, lists and dataclasses,
-nearly all freed by reference counting; at the default the collector ran every few requests and
-promoted what was alive at that moment into generations it walks again and again. With this
-threshold it takes 5-8 % less CPU per request at 64 streams (``bench/README.md``); a young
-collection walks at most this many objects (well under a millisecond)."""
+were allocated than freed (CPython's default is 700), and each older one every 20 runs of the
+one below (default 10; the generational collector of CPython 3.11-3.13). A request allocates
+thousands of short-lived dicts, lists and dataclasses, nearly all freed by reference counting;
+at the default the collector ran every few requests and promoted what was alive at that moment
+into generations it walks again and again. With this threshold it takes 5-8 % less CPU per
+request at 64 streams (``bench/README.md``, fourth round); a young collection walks at most
+this many objects (well under a millisecond)."""
 
 MESSAGE_LIMIT = 200  # characters of aiohttp's own description kept in the error message
 BAD_HTTP_CODE = "bad_http_request"
@@ -338,5 +339,6 @@ def run_app(
 def tune_collector() -> None:
     """What start-up built stays (``gc.freeze``: never walked again); the young generation is
     collected every ``GC_YOUNG_OBJECTS`` objects, each older one every 20 of the one below."""
+    gc.collect()  # start-up's own garbage first: what is frozen is never collected
     gc.freeze()
     gc.set_threshold(GC_YOUNG_OBJECTS, 20, 20)

@@ -6,7 +6,8 @@ object guarded by a ``threading.Lock``, so that threads may update one metric at
 The proxy updates its metrics from its event loop only, so these subclasses keep the values as
 floats: the same names, labels, ``_created`` series and exposition (prometheus_client's own code
 writes them), a few hundred nanoseconds an update. Only label children are updated (the proxy
-always goes through ``labels()``, or has no labels). ``tests/admin/test_metric_series.py`` feeds
+always goes through ``labels()``, or has no labels; exemplars and prometheus_client's
+multiprocess mode are not supported). ``tests/admin/test_metric_series.py`` feeds
 the same updates to both and compares the expositions.
 """
 
@@ -54,7 +55,7 @@ class LoopHistogram(Histogram):
         self._counts = [0.0] * len(self._upper_bounds)
         self._total_sum = 0.0
         self._created = time.time()
-        self._les = [floatToGoString(b) for b in self._upper_bounds]  # type: ignore[no-untyped-call]
+        self._les = [floatToGoString(b) for b in self._upper_bounds]  # type: ignore[no-untyped-call]  # untyped upstream
 
     def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
         if exemplar:

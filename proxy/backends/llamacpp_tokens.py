@@ -174,7 +174,8 @@ class TokenCounter:
     """Tokens a prompt ends with after its last message's text (the chat template's end of turn
     and generation prompt: 5 in ChatML). Learned from matches counted back from a state's end."""
     _scope: PromptQuery | None = None
-    _memo: dict[int, Shared] = field(default_factory=dict)
+    _memo: dict[CachedPrompt, Shared] = field(default_factory=dict)
+    """Within ``scope``: each state's match (by identity: ``CachedPrompt`` is ``eq=False``)."""
 
     @contextmanager
     def scope(self, query: PromptQuery) -> Iterator[None]:
@@ -192,9 +193,9 @@ class TokenCounter:
     def shared(self, state: CachedPrompt, query: PromptQuery) -> Shared:
         """Tokens of ``query`` that ``state`` holds (before the one-token cap)."""
         if query is self._scope:
-            known = self._memo.get(id(state))
+            known = self._memo.get(state)
             if known is None:
-                known = self._memo[id(state)] = self._shared(state, query)
+                known = self._memo[state] = self._shared(state, query)
             return known
         return self._shared(state, query)
 

@@ -132,9 +132,10 @@ class SlotTable:
         self._choosing = False
         self._live: tuple[float, float] | None = None
         self._emptied_seen = 0
-        self._incoming: tuple[PromptQuery, CachedPrompt] | None = None
-        """The request being weighed, as the state it would leave (``eviction_s``)."""
         """Whether ``/slots`` showing idle slots emptied may switch the model to unified KV."""
+        self._incoming: tuple[PromptQuery, CachedPrompt] | None = None
+        """The request being weighed, as the state it would leave (``eviction_s``), during one
+        ``choose``."""
 
     def set_rules(self, rules: ServerRules) -> None:
         """Correct what the model believes of the server's flags."""
@@ -214,7 +215,7 @@ class SlotTable:
             with self.counter.scope(query):
                 return self._choose(req, query, rates, now, useful_tokens=useful_tokens)
         finally:
-            self._choosing, self._live = False, None
+            self._choosing, self._live, self._incoming = False, None, None
 
     def _choose(
         self,
@@ -388,7 +389,7 @@ class SlotTable:
         if held is None or (outcome.loaded is None and self.counter.shared(held, query).continues):
             return 0.0  # nothing there, or the request extends what is there
         last = self._incoming
-        if last is None or last[0] is not query:  # one per request, whichever slot is weighed
+        if last is None or last[0] is not query:  # one per choice, whichever slot is weighed
             incoming = CachedPrompt(
                 hashes=query.hashes, prompt_tokens=query.prompt_tokens, fp=query.fp
             )

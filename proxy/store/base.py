@@ -148,8 +148,9 @@ class PrefixStore(Protocol):
         ...
 
     async def traffic_counts(self, namespace: str, hashes: Sequence[int]) -> tuple[int, list[int]]:
-        """``(window_requests, count per hash)`` for the leading ``hashes``; ``(0, [])`` when
-        degraded."""
+        """``(window_requests, count per hash)`` for the leading ``hashes`` (a block chain: past
+        a hash no request carried, every count is zero, and a store may stop reading there);
+        ``(0, [])`` when degraded."""
         ...
 
     async def observe_traffic(self, namespace: str, hashes: Sequence[int]) -> None:

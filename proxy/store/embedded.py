@@ -154,7 +154,8 @@ class EmbeddedStore:
         return window
 
     async def traffic_counts(self, namespace: str, hashes: Sequence[int]) -> tuple[int, list[int]]:
-        """Requests in the window and how many carried each leading hash."""
+        """Requests in the window and how many carried each leading hash (``hashes``: a block
+        chain, as every store reads it)."""
         window = self._traffic.get(namespace)
         if window is None:
             return 0, [0] * min(len(hashes), TRAFFIC_MAX_BLOCKS)

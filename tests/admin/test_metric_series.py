@@ -21,8 +21,15 @@ AMOUNT = st.one_of(
     st.sampled_from([*TTFT_BUCKETS_S, 0.0, math.inf]),  # on a bound: ``le`` is inclusive
     st.integers(min_value=0, max_value=10**7).map(float),
 )
+OBSERVED = st.one_of(  # a histogram also takes negatives and -inf (the counter refuses them)
+    AMOUNT, st.floats(max_value=0.0, allow_nan=False), st.sampled_from([-math.inf, -0.0])
+)
 OPS = st.lists(
-    st.tuples(st.sampled_from(["inc", "observe", "observe_bare"]), LABELS, AMOUNT), max_size=60
+    st.one_of(
+        st.tuples(st.just("inc"), LABELS, AMOUNT),
+        st.tuples(st.sampled_from(["observe", "observe_bare"]), LABELS, OBSERVED),
+    ),
+    max_size=60,
 )
 
 
@@ -47,6 +54,7 @@ Op = tuple[str, tuple[str, str], float]
 @settings(max_examples=150, deadline=None)
 @given(OPS)
 def test_same_exposition_as_prometheus_client(ops: list[Op]) -> None:
+    """Any sequence of updates: the same exposition, line for line (``_created`` aside)."""
     ours = _pair(LoopCounter, LoopHistogram)
     theirs = _pair(Counter, Histogram)
     for _, counter, hist, bare in (ours, theirs):
@@ -63,6 +71,7 @@ def test_same_exposition_as_prometheus_client(ops: list[Op]) -> None:
 
 
 def test_nan_lands_in_no_bucket_as_in_prometheus_client() -> None:
+    """A NaN observation counts in no bucket and makes the sum NaN, as prometheus_client's."""
     ours, theirs = _pair(LoopCounter, LoopHistogram), _pair(Counter, Histogram)
     for _, _, hist, _ in (ours, theirs):
         hist.labels("m", "b").observe(math.nan)
@@ -73,12 +82,14 @@ def test_nan_lands_in_no_bucket_as_in_prometheus_client() -> None:
 
 
 def test_negative_increment_refused() -> None:
+    """A counter never goes down: a negative increment raises, as prometheus_client's does."""
     _, counter, _, _ = _pair(LoopCounter, LoopHistogram)
     with pytest.raises(ValueError, match="non-negative"):
         counter.labels("m", "b").inc(-1)
 
 
 def test_created_series_follow_prometheus_clients_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PROMETHEUS_DISABLE_CREATED_SERIES`` (prometheus_client's switch) drops ``_created``."""
     monkeypatch.setattr(prom_metrics, "_use_created", False)
     reg, counter, hist, _ = _pair(LoopCounter, LoopHistogram)
     counter.labels("m", "b").inc()

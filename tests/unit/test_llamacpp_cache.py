@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from proxy.backends.llamacpp_cache import (
+    MAX_RAM_ENTRIES,
     SOURCE_NONE,
     SOURCE_RAM,
     SOURCE_SLOT,
     RamCache,
     ServerRules,
     SlotView,
+    contains,
     launch,
     pick,
     restorable,
@@ -329,3 +334,33 @@ def test_bytes_are_never_compared_across_tenants() -> None:
     held.measure(fp_a.total_bytes, 0)
     q = PromptQuery(fp_b.block_hashes, float(fp_b.total_bytes), 256.0, fp_b, d_b)
     assert TokenCounter().shared(held, q).tokens == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 10), st.integers(0, 2), st.integers(0, 3)),
+        max_size=40,
+    )
+)
+def test_ram_save_compares_only_what_can_hold_or_be_held(
+    saves: list[tuple[int, int, int, int]],
+) -> None:
+    """``save`` skips the entries whose first block differs (``contains`` says no at once):
+    the cache ends as a comparison against every entry leaves it, in the same order."""
+
+    def reference(entries: list[CachedPrompt], new: CachedPrompt) -> list[CachedPrompt]:
+        if new in entries or any(contains(e, new) for e in entries):
+            return entries
+        return [e for e in entries if not contains(new, e)] + [new]
+
+    ram = RamCache(ServerRules())
+    expected: list[CachedPrompt] = []
+    states = []
+    for prefix, n, tail, tail_blocks in saves:
+        s = state(chain(prefix, n, tail, tail_blocks))
+        states.append(s)
+        for new in (s, states[len(states) // 2]):  # a new state, and one saved again
+            expected = reference(expected, new)[-MAX_RAM_ENTRIES:]
+            ram.save(new)
+            assert ram.entries == expected
