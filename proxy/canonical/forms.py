@@ -40,6 +40,12 @@ STORE_KIND = "form"
 DEFAULT_ENTRIES = 50_000
 DEFAULT_BYTES = 64 * 1024 * 1024
 DEFAULT_TTL_S = 7 * 24 * 3600.0
+DEFAULT_TEXT_BYTES = 8 * 1024 * 1024
+"""Bytes of texts remembered as already in their form (the fast path). A stable application
+has a handful; an application whose texts change every request (a timestamp, a request id in
+its system prompt) would otherwise fill the entry bound with texts never seen again."""
+MAX_MARKED_TEXT = 65_536
+"""Longer texts take the slow path: no second copy of them is kept."""
 
 
 class FormView:
@@ -80,14 +86,17 @@ class FormMemory:
         entries: int = DEFAULT_ENTRIES,
         max_bytes: int = DEFAULT_BYTES,
         ttl_s: float = DEFAULT_TTL_S,
+        text_bytes: int = DEFAULT_TEXT_BYTES,
     ) -> None:
         self._entries = entries
         self._max_bytes = max_bytes
         self.ttl_s = ttl_s
         self._local: OrderedDict[tuple[str, str], bytes] = OrderedDict()
-        # Texts known to be forms, for the fast path; bounded by count like the forms (a text
-        # evicted here only costs the slow path once).
+        # Texts known to be forms, for the fast path; bounded by count like the forms and by
+        # their bytes (a text evicted here only costs the slow path once).
         self._texts: OrderedDict[tuple[str, str, str | bytes], None] = OrderedDict()
+        self._text_bytes = 0
+        self._max_text_bytes = text_bytes
         self._bytes = 0
         self._store: PrefixStore | None = None
         self._writes: set[asyncio.Task[None]] = set()
@@ -118,12 +127,24 @@ class FormMemory:
         return (namespace, rule, text) in self._texts
 
     def mark_text(self, namespace: str, rule: str, text: str | bytes) -> None:
-        """Mark ``text`` as a form (the least recently marked go beyond the entry bound)."""
-        if len(text) > 65_536:  # long texts take the slow path: no second copy of them here
+        """Mark ``text`` as a form (the least recently marked go beyond the entry and byte
+        bounds)."""
+        if len(text) > MAX_MARKED_TEXT:
             return
-        self._texts[(namespace, rule, text)] = None
-        if len(self._texts) > self._entries:
-            self._texts.popitem(last=False)
+        texts, key = self._texts, (namespace, rule, text)
+        if key in texts:
+            texts.move_to_end(key)
+            return
+        texts[key] = None
+        self._text_bytes += len(text)
+        while len(texts) > self._entries or self._text_bytes > self._max_text_bytes:
+            (_, _, old), _ = texts.popitem(last=False)
+            self._text_bytes -= len(old)
+
+    @property
+    def text_bytes(self) -> int:
+        """Bytes of the texts marked as forms now."""
+        return self._text_bytes
 
     def keep(self, namespace: str, key: str, value: bytes) -> None:
         """Hold ``value`` as the form of ``key``; the least recently used go beyond the bounds."""
@@ -163,6 +184,7 @@ class FormMemory:
             elif theirs != learned[key]:
                 self.keep(namespace, key, theirs)
                 self._texts.clear()  # a text marked as a form may no longer be the form
+                self._text_bytes = 0
                 self.adopted += 1
                 again = True
         if missing:

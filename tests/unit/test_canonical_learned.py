@@ -215,6 +215,20 @@ def test_the_memory_is_bounded_in_bytes() -> None:
     assert memory.local("n", "d") is None
 
 
+def test_texts_marked_as_forms_are_bounded_in_bytes() -> None:
+    """The fast path's texts are bounded by their bytes: an application whose system prompt
+    changes every request (its time, a request id) keeps a bounded memory, least recently
+    marked out first, and a text seen again stays known."""
+    memory = FormMemory(text_bytes=10_000)
+    stable = "You help. " * 10
+    for i in range(1_000):
+        memory.mark_text("n", "rule", f"It is {i:06d}. " + "You help. " * 50)
+        memory.mark_text("n", "rule", stable)
+    assert memory.text_bytes <= 10_000
+    assert memory.known_text("n", "rule", stable)
+    assert not memory.known_text("n", "rule", "It is 000000. " + "You help. " * 50)
+
+
 async def test_a_second_proxy_adopts_the_first_proxys_form() -> None:
     """Two proxies sharing a store: the one that sees the set second, shuffled, rewrites it to
     the form the first proxy learned; its counters count the request once."""
