@@ -74,6 +74,9 @@ class StoreOptions:
     """Entries the embedded store keeps for ``remember`` / ``recall`` (least recent out)."""
     memory_value_bytes: int = 65_536
     """Largest value ``remember`` keeps; a larger one is not stored."""
+    memory_bytes: int = 64 * 1024 * 1024
+    """Bytes of values the embedded store keeps for ``remember`` (least recent out): values
+    learned per request (a form of a text seen once) cannot fill memory up to the entry bound."""
     key_prefix: str = "pg"
     """First component of every Redis key."""
     traffic_window_s: float = 120.0

@@ -70,6 +70,7 @@ class EmbeddedStore:
         self._in_flight: dict[str, int] = {}  # per replica, across namespaces
         # (namespace, kind, key) -> (value, expires at), least recently written first
         self._memory: OrderedDict[tuple[str, str, str], tuple[bytes, float]] = OrderedDict()
+        self._memory_bytes = 0  # of the values and keys in ``_memory``
         self._next_sweep = 0.0
 
     @property
@@ -280,16 +281,29 @@ class EmbeddedStore:
     async def remember(
         self, namespace: str, kind: str, items: Mapping[str, bytes], ttl_s: float
     ) -> None:
-        """Keep the values (the least recently written beyond ``memory_entries`` go)."""
+        """Keep the values (the least recently written beyond ``memory_entries`` or
+        ``memory_bytes`` go)."""
         expires = self._clock() + ttl_s
+        memory, opts = self._memory, self._opts
         for key, value in items.items():
-            if len(value) > self._opts.memory_value_bytes:
+            if len(value) > opts.memory_value_bytes:
                 continue
             slot = (namespace, kind, key)
-            self._memory[slot] = (value, expires)
-            self._memory.move_to_end(slot)
-        while len(self._memory) > self._opts.memory_entries:
-            self._memory.popitem(last=False)
+            old = memory.pop(slot, None)
+            if old is not None:
+                self._memory_bytes -= len(old[0]) + len(key)
+            memory[slot] = (value, expires)
+            self._memory_bytes += len(value) + len(key)
+        while memory and (
+            len(memory) > opts.memory_entries or self._memory_bytes > opts.memory_bytes
+        ):
+            (_, _, key), (value, _) = memory.popitem(last=False)
+            self._memory_bytes -= len(value) + len(key)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of the values (and their keys) kept for ``remember`` now."""
+        return self._memory_bytes
 
     async def warm(self) -> bool:
         """Always ready: nothing to connect to."""

@@ -44,6 +44,22 @@ async def test_the_embedded_memory_is_bounded() -> None:
     assert await store.recall("default", "form", ["a", "b", "c"]) == [None, b"b", b"c"]
 
 
+async def test_the_embedded_memory_is_bounded_in_bytes() -> None:
+    """Values remembered once each (a form per request of an application whose text changes
+    every time) are held to ``memory_bytes``, least recently written out; rewriting a key
+    counts its bytes once."""
+    store = EmbeddedStore(StoreOptions(memory_bytes=10_000))
+    for i in range(1_000):
+        await store.remember("default", "form", {f"k{i}": b"x" * 500}, ttl_s=60)
+        await store.remember("default", "form", {"stable": b"y" * 500}, ttl_s=60)
+    assert store.memory_bytes <= 10_000
+    assert await store.recall("default", "form", ["stable", "k999", "k0"]) == [
+        b"y" * 500,
+        b"x" * 500,
+        None,
+    ]
+
+
 @pytest.mark.redis
 async def test_recall_answers_none_while_redis_is_down(own_redis_server: RedisServer) -> None:
     """A Redis that is down costs the bound and answers ``None``: the request goes on unchanged."""
