@@ -50,7 +50,7 @@ async def read_body(request: web.Request, limit: int, *, idle_s: float | None = 
             # taking it needs no wait and no deadline.
             body = content.read_nowait(-1)
             if len(body) > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+                raise _too_large(limit)
             return body
         # One deadline, moved on by every piece. The pieces are the reads as they arrived
         # (``readchunk``; ``readany`` would join what is buffered first), joined once at the end.
@@ -66,7 +66,7 @@ async def read_body(request: web.Request, limit: int, *, idle_s: float | None = 
                 chunks.append(chunk)
                 size += len(chunk)
                 if size > limit:
-                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+                    raise _too_large(limit)
                 if idle_s is not None:
                     silence.reschedule(loop.time() + idle_s)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # one copy at most
@@ -76,6 +76,10 @@ async def read_body(request: web.Request, limit: int, *, idle_s: float | None = 
         cause = exc.__cause__ if isinstance(exc.__cause__, HttpProcessingError) else exc
         detail = cause.message if isinstance(cause, HttpProcessingError) else str(cause)
         raise BadRequest(f"request body could not be decoded: {detail.strip()}") from exc
+
+
+def _too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
 
 
 # Deeper bodies are refused: the proxy must be able to serialize what it forwards, and the JSON

@@ -111,8 +111,7 @@ class Pick:
     """The state the request's cached tokens come from."""
 
 
-_PROMPT_TOKENS = attrgetter("prompt_tokens")
-_GENERATED = attrgetter("generated")
+_TOKENS = attrgetter("tokens")
 
 MAX_RAM_ENTRIES = 64  # the model scans them for every idle slot on every placement
 
@@ -147,11 +146,10 @@ class RamCache:
         self.rules = rules
 
     def tokens(self) -> float:
-        """What the entries hold (``CachedPrompt.tokens`` summed; the sums in C: ``trim`` asks
-        at every save)."""
-        generated: list[float] = [g for g in map(_GENERATED, self.entries) if g > 1.0]
-        prompt: float = sum(map(_PROMPT_TOKENS, self.entries))
-        return prompt + sum(generated) - len(generated)
+        """What the entries hold (``CachedPrompt.tokens`` summed, without a generator's frame:
+        ``trim`` asks at every save once the cache's size is known)."""
+        total: float = sum(map(_TOKENS, self.entries))
+        return total
 
     def holds(self, state: CachedPrompt) -> bool:
         """An entry holds all of ``state`` (its prompt is a prefix of the entry's)."""

@@ -25,11 +25,12 @@ started later adopts the store's.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import structlog
+
+from proxy.sized_lru import SizedLRU
 
 if TYPE_CHECKING:
     from proxy.store.base import PrefixStore
@@ -88,16 +89,15 @@ class FormMemory:
         ttl_s: float = DEFAULT_TTL_S,
         text_bytes: int = DEFAULT_TEXT_BYTES,
     ) -> None:
-        self._entries = entries
-        self._max_bytes = max_bytes
         self.ttl_s = ttl_s
-        self._local: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        self._local: SizedLRU[tuple[str, str], bytes] = SizedLRU(
+            entries=entries, max_bytes=max_bytes, size=lambda slot, form: len(slot[1]) + len(form)
+        )
         # Texts known to be forms, for the fast path; bounded by count like the forms and by
         # their bytes (a text evicted here only costs the slow path once).
-        self._texts: OrderedDict[tuple[str, str, str | bytes], None] = OrderedDict()
-        self._text_bytes = 0
-        self._max_text_bytes = text_bytes
-        self._bytes = 0
+        self._texts: SizedLRU[tuple[str, str, str | bytes], bool] = SizedLRU(
+            entries=entries, max_bytes=text_bytes, size=lambda key, _: len(key[2])
+        )
         self._store: PrefixStore | None = None
         self._writes: set[asyncio.Task[None]] = set()
         self.adopted = 0
@@ -116,11 +116,7 @@ class FormMemory:
 
     def local(self, namespace: str, key: str) -> bytes | None:
         """The locally known form (marked as just used), or None."""
-        slot = (namespace, key)
-        value = self._local.get(slot)
-        if value is not None:
-            self._local.move_to_end(slot)
-        return value
+        return self._local.get((namespace, key), touch=True)
 
     def known_text(self, namespace: str, rule: str, text: str | bytes) -> bool:
         """Whether ``text`` was marked as a form of ``rule`` in ``namespace``."""
@@ -129,36 +125,17 @@ class FormMemory:
     def mark_text(self, namespace: str, rule: str, text: str | bytes) -> None:
         """Mark ``text`` as a form (the least recently marked go beyond the entry and byte
         bounds)."""
-        if len(text) > MAX_MARKED_TEXT:
-            return
-        texts, key = self._texts, (namespace, rule, text)
-        if key in texts:
-            texts.move_to_end(key)
-            return
-        texts[key] = None
-        self._text_bytes += len(text)
-        while len(texts) > self._entries or self._text_bytes > self._max_text_bytes:
-            (_, _, old), _ = texts.popitem(last=False)
-            self._text_bytes -= len(old)
+        if len(text) <= MAX_MARKED_TEXT:
+            self._texts.put((namespace, rule, text), True)
 
     @property
     def text_bytes(self) -> int:
         """Bytes of the texts marked as forms now."""
-        return self._text_bytes
+        return self._texts.bytes
 
     def keep(self, namespace: str, key: str, value: bytes) -> None:
         """Hold ``value`` as the form of ``key``; the least recently used go beyond the bounds."""
-        slot = (namespace, key)
-        old = self._local.pop(slot, None)
-        if old is not None:
-            self._bytes -= len(old) + len(key)
-        if len(value) + len(key) > self._max_bytes:
-            return
-        self._local[slot] = value
-        self._bytes += len(value) + len(key)
-        while len(self._local) > self._entries or self._bytes > self._max_bytes:
-            (_, k), v = self._local.popitem(last=False)
-            self._bytes -= len(v) + len(k)
+        self._local.put((namespace, key), value)
 
     async def settle(self, namespace: str, learned: Mapping[str, bytes]) -> bool:
         """Check the forms one request learned against the store (one bounded round trip).
@@ -184,7 +161,6 @@ class FormMemory:
             elif theirs != learned[key]:
                 self.keep(namespace, key, theirs)
                 self._texts.clear()  # a text marked as a form may no longer be the form
-                self._text_bytes = 0
                 self.adopted += 1
                 again = True
         if missing:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from proxy.fingerprint import leading_run
 from proxy.routing import TRAFFIC_MAX_BLOCKS, TrafficWindow
+from proxy.sized_lru import SizedLRU
 from proxy.store.base import DEFAULT_NAMESPACE, LookupResult, StoreOptions
 from proxy.store.ranking import (
     ANCHOR_FIELDS,
@@ -69,8 +70,11 @@ class EmbeddedStore:
         self._traffic: dict[str, TrafficWindow] = {}
         self._in_flight: dict[str, int] = {}  # per replica, across namespaces
         # (namespace, kind, key) -> (value, expires at), least recently written first
-        self._memory: OrderedDict[tuple[str, str, str], tuple[bytes, float]] = OrderedDict()
-        self._memory_bytes = 0  # of the values and keys in ``_memory``
+        self._memory: SizedLRU[tuple[str, str, str], tuple[bytes, float]] = SizedLRU(
+            entries=self._opts.memory_entries,
+            max_bytes=self._opts.memory_bytes,
+            size=lambda slot, entry: len(slot[2]) + len(entry[0]),
+        )
         self._next_sweep = 0.0
 
     @property
@@ -284,26 +288,14 @@ class EmbeddedStore:
         """Keep the values (the least recently written beyond ``memory_entries`` or
         ``memory_bytes`` go)."""
         expires = self._clock() + ttl_s
-        memory, opts = self._memory, self._opts
         for key, value in items.items():
-            if len(value) > opts.memory_value_bytes:
-                continue
-            slot = (namespace, kind, key)
-            old = memory.pop(slot, None)
-            if old is not None:
-                self._memory_bytes -= len(old[0]) + len(key)
-            memory[slot] = (value, expires)
-            self._memory_bytes += len(value) + len(key)
-        while memory and (
-            len(memory) > opts.memory_entries or self._memory_bytes > opts.memory_bytes
-        ):
-            (_, _, key), (value, _) = memory.popitem(last=False)
-            self._memory_bytes -= len(value) + len(key)
+            if len(value) <= self._opts.memory_value_bytes:
+                self._memory.put((namespace, kind, key), (value, expires))
 
     @property
     def memory_bytes(self) -> int:
         """Bytes of the values (and their keys) kept for ``remember`` now."""
-        return self._memory_bytes
+        return self._memory.bytes
 
     async def warm(self) -> bool:
         """Always ready: nothing to connect to."""
