@@ -6,8 +6,6 @@ Thin by design: parse, resolve settings, run; a bad setting prints one line and 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import sys
 from collections.abc import Sequence
 
@@ -41,22 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-
-
-def fix_mmap_threshold(size: int = 64 * 1024) -> None:
-    """Serve every allocation of ``size`` bytes or more from mmap, for the whole run (glibc).
-
-    Each socket read allocates a 256 KiB buffer and shrinks it to what arrived. glibc serves the
-    first ones from mmap, then raises its mmap threshold past them, after which they come from
-    the heap and their shrunk remains fragment it: a busy proxy's RSS crept up 10 % in four
-    minutes of ``bench/soak.py`` with nothing leaked (``malloc_trim`` gave it back). A fixed
-    threshold keeps it flat (+0.5 % over the same run). Elsewhere than glibc: nothing to do.
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, size)
-
-
 def serve(args: argparse.Namespace) -> int:
     from proxy.app import admin_app, build_app
     from proxy.log import configure_logging, get_logger
@@ -80,7 +62,6 @@ def serve(args: argparse.Namespace) -> int:
         admin_host=list(settings.admin_listen),
         admin_port=settings.admin_port,
     )
-    fix_mmap_threshold()
     # aiohttp with its own error answers in the OpenAI shape, handler cancellation, backlog 2048,
     # no access log; SIGTERM shuts down gracefully (proxy/server.py). The admin routes listen
     # apart, on --admin-port.

@@ -58,6 +58,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from proxy.errors import error_response
+from proxy.heap import HeapTrimmer
 from proxy.log import get_logger
 
 # web.run_app's defaults, which `prefixgate serve` has always run with.
@@ -239,6 +240,7 @@ async def serve_app(
     if admin is not None:
         runners.append(make_runner(admin))
     received = 0
+    heap = HeapTrimmer()
 
     def on_signal() -> None:
         nonlocal received
@@ -263,6 +265,7 @@ async def serve_app(
             started.append(runner)
         if tune_gc:
             tune_collector()
+            heap.start()
         if not stop.is_set():
             listeners = [(runners[0], _hosts(host), port)]
             if admin is not None:
@@ -277,6 +280,7 @@ async def serve_app(
             )
             await stop.wait()
     finally:
+        heap.stop()
         try:
             for runner in reversed(started):
                 await runner.cleanup()
