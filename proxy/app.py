@@ -158,6 +158,7 @@ def build_app(
                 block_bytes=settings.block_bytes,
                 log_prompt_labels=settings.log_prompts,
                 routing=settings.routing,
+                remote_store=settings.redis_url is not None,
                 write_delay_s=(
                     settings.store_write_delay_ms / 1000.0
                     if settings.store_write_delay_ms > 0

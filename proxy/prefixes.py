@@ -15,10 +15,18 @@ window and fold the finished record into the statistics — all in the backgroun
 
 When the store does not answer the lookup, the view falls back to this proxy's own numbers: its
 recent claims as matches, its local in-flight counts, a shared depth of 0.
+
+A request that has one replica to go to needs none of the store's numbers to be routed (the
+router answers ``single`` whatever they are), only to be recorded and learned from. With a
+store a round trip away (``remote_store``) its lookup is then sent and the request goes on
+without waiting for it (``PrefixView.pending``); the answer is folded into the view before the
+record is built (``settled``), or awaited by whatever needs it earlier (``answered``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
@@ -28,7 +36,7 @@ from typing import Any
 from proxy.fingerprint import ChainMemo, Fingerprint, common_blocks, fingerprint_with_data
 from proxy.records import RequestRecord
 from proxy.routing import TRAFFIC_MAX_BLOCKS, RoutingConfig, TrafficDepth, route_key
-from proxy.store import DEFAULT_NAMESPACE, PrefixStore, StatsSample
+from proxy.store import DEFAULT_NAMESPACE, LookupResult, PrefixStore, StatsSample
 from proxy.store.write_behind import WriteBehind
 
 DEFAULT_TOKENS_PER_BYTE = 0.25  # English prose and code average ~4 bytes per token
@@ -54,6 +62,9 @@ class PrefixView:
     rendered: bytes = field(default=b"", repr=False)
     """The bytes ``fp`` hashed, kept for the request's lifetime only (the slot model compares
     them with a slot's last prompt); never logged or stored."""
+    pending: asyncio.Future[PrefixView] | None = field(default=None, repr=False, compare=False)
+    """The view with the store's answer, still on its way (a lookup not waited for); until it
+    comes, the numbers above are this proxy's own (``settled``, ``answered``)."""
 
     def matched_for(self, replica: str) -> int:
         return self.matched_blocks.get(replica, 0)
@@ -66,6 +77,26 @@ class PrefixView:
         """The key the router breaks ties by (``route_key``: the first block hash past the
         traffic-shared depth, 0 without blocks)."""
         return route_key(self.fp.block_hashes, self.shared_blocks)
+
+
+def settled(view: PrefixView) -> PrefixView:
+    """``view`` with the store's answer folded in. Without one yet, this proxy's own numbers,
+    marked unavailable as for a store that failed; the lookup runs on to its own deadline, so
+    that a store too slow to answer is still noticed (its breaker) and not left half-read."""
+    task = view.pending
+    if task is None:
+        return view
+    if task.done() and not task.cancelled() and task.exception() is None:
+        return dataclasses.replace(task.result(), affinity_key=view.affinity_key)
+    return dataclasses.replace(view, available=False, pending=None)
+
+
+async def answered(view: PrefixView) -> PrefixView:
+    """``view`` once the store has answered (at once for a lookup that was waited for)."""
+    if view.pending is None:
+        return view
+    await asyncio.wait((view.pending,))
+    return settled(view)
 
 
 LABEL_CHARS = 80
@@ -236,8 +267,11 @@ class PrefixTracker:
         log_prompt_labels: bool = False,
         routing: RoutingConfig | None = None,
         write_delay_s: float | None = None,
+        remote_store: bool = False,
     ) -> None:
         self.store = store
+        self.remote_store = remote_store
+        """The store is a round trip away (Redis): a lookup nothing routes by is not waited for."""
         self.writes = None if write_delay_s is None else WriteBehind(store, delay_s=write_delay_s)
         """With ``write_delay_s``: the store writes batched and sent that much later
         (``proxy.store.write_behind``); ``in_flight``, ``claim`` and ``learn`` then queue them
@@ -260,22 +294,56 @@ class PrefixTracker:
         namespace: str = DEFAULT_NAMESPACE,
         salt: str = "",
     ) -> PrefixView:
-        """Fingerprint ``body``; read matches, loads and the shared depth (one round trip)."""
+        """Fingerprint ``body``; read matches, loads and the shared depth (one round trip).
+
+        With one replica and a remote store the round trip is not waited for: the view returned
+        has this proxy's own numbers and the store's answer ``pending`` (module docstring).
+        """
         fp, rendered = fingerprint_with_data(
             route, body, block_bytes=self.block_bytes, salt=salt, memo=self.chains
         )
         hashes = fp.block_hashes
-        found = await self.store.lookup(namespace, replicas, hashes)
+        found = self.store.lookup(namespace, replicas, hashes)
+        own = PrefixView(fp=fp, namespace=namespace, matched_blocks={}, rendered=rendered)
+        if self.remote_store and len(replicas) == 1:
+            # This proxy's numbers now, before the request's own claim joins them.
+            recent = self._with_recent(namespace, replicas, hashes, {}) if len(self.recent) else {}
+            local = self._local_in_flight
+            own = dataclasses.replace(
+                own, matched_blocks=recent, loads={r: float(local.get(r, 0)) for r in replicas}
+            )
+            task = asyncio.ensure_future(self._answer(own, replicas, found, recent))
+            return dataclasses.replace(own, pending=task)
+        return await self._answer(own, replicas, found)
+
+    async def _answer(
+        self,
+        own: PrefixView,
+        replicas: Sequence[str],
+        found_aw: Coroutine[Any, Any, LookupResult],
+        recent: Mapping[str, int] | None = None,
+    ) -> PrefixView:
+        """``own`` with the store's answer; ``recent``: this proxy's claims as the request
+        found them (None: as they are once the store has answered, the claims of requests
+        that arrived meanwhile included)."""
+        found = await found_aw
         local = self._local_in_flight
-        loads = {r: max(found.loads.get(r, 0.0), float(local.get(r, 0))) for r in replicas}
+        hashes = own.fp.block_hashes
+        loads = {
+            r: max(found.loads.get(r, 0.0), own.loads.get(r, float(local.get(r, 0))))
+            for r in replicas
+        }
         matched: Mapping[str, int] = found.matched
-        if len(self.recent):  # this proxy's claims the store may not have yet
-            matched = self._with_recent(namespace, replicas, hashes, found.matched)
+        if recent is None:
+            if len(self.recent):  # this proxy's claims the store may not have yet
+                matched = self._with_recent(own.namespace, replicas, hashes, found.matched)
+        elif recent:
+            matched = {r: max(found.matched.get(r, 0), m) for r, m in recent.items()}
         return PrefixView(
-            fp=fp,
-            namespace=namespace,
+            fp=own.fp,
+            namespace=own.namespace,
             matched_blocks=matched,
-            rendered=rendered,
+            rendered=own.rendered,
             loads=loads,
             shared_blocks=self.depth.shared_blocks(found.window_requests, found.hash_counts),
             available=found.available,

@@ -37,6 +37,7 @@ import aiohttp
 from proxy.backends import BackendInfo, Dialect, SlotApi, SlotEndpoint
 from proxy.backends.slot_cache import SOURCE_NONE, SOURCE_SLOT, ServerRules
 from proxy.log import get_logger
+from proxy.prefixes import answered
 from proxy.records import Observation, RequestRecord, monotonic
 from proxy.scheduling.coalesce import InflightPrefixes, Leader, wait_for_leader
 from proxy.scheduling.config import SchedulingConfig
@@ -309,6 +310,8 @@ class Scheduler:
             ticket.slot_api = replica.dialect.capabilities.slots
             await self._pin(ticket, state, self._table(state, replica), req, body, plain=plain)
         else:
+            if view.pending is not None:  # a lookup not waited for: coalescing needs its match
+                view = await answered(view)
             cached = state.inflight.cached(fp.block_hashes, view.matched_for(replica.url))
             await self._coalesce(
                 ticket, state, fp.block_hashes[cached:], tokens_per_block, stream=stream

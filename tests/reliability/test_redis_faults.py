@@ -108,6 +108,17 @@ def log_tail(proxy: ProxyProcess, n: int = 30) -> str:
     return "\n".join(map(str, lines))
 
 
+async def noticed(proxy: ProxyProcess) -> bool:
+    """The proxy logged that the store stopped answering. With one replica a lookup is not
+    waited for (nothing routes by it): it times out in the background, so the requests that
+    sent it may all have ended first."""
+
+    async def degraded() -> bool:
+        return bool(proxy.events("store_degraded"))
+
+    return await eventually(degraded, within_s=2)
+
+
 async def warm_up(proxy: ProxyProcess, http: aiohttp.ClientSession) -> None:
     assert_all_fast(await burst(http, proxy, 4, "warm"), proxy)
     assert await eventually(lambda: predicts(proxy, http, "warm"), within_s=5)
@@ -124,7 +135,7 @@ async def test_redis_killed_and_restarted(
     redis_server.kill()
     for round_ in range(3):
         assert_all_fast(await burst(http, proxy, 10, f"down{round_}"), proxy)
-    assert len(proxy.events("store_degraded")) >= 1
+    assert await noticed(proxy)
     redis_server.start()
     await recovers(proxy, http)
     assert proxy.alive
@@ -144,7 +155,7 @@ async def test_redis_blackholed(
         gate.block()
         for round_ in range(3):
             assert_all_fast(await burst(http, proxy, 10, f"hole{round_}"), proxy)
-        assert len(proxy.events("store_degraded")) >= 1
+        assert await noticed(proxy)
         gate.unblock()
         await recovers(proxy, http)
         other = chat("unrelated", system="A different application prompt entirely. " * 12)
@@ -177,5 +188,5 @@ async def test_redis_paused(
         client.close()
     for round_ in range(3):
         assert_all_fast(await burst(http, proxy, 10, f"paused{round_}"), proxy)
-    assert len(proxy.events("store_degraded")) >= 1
+    assert await noticed(proxy)
     await recovers(proxy, http)

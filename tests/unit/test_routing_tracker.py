@@ -4,6 +4,7 @@ cannot answer."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,8 +13,10 @@ from proxy.prefixes import (
     PrefixTracker,
     PrefixView,
     RecentClaims,
+    answered,
     checkpoints,
     prefix_label,
+    settled,
 )
 from proxy.records import RequestRecord
 from proxy.routing import Candidate, Router, RoutingConfig, route_key
@@ -237,3 +240,70 @@ def test_prefix_label_never_holds_part_of_a_secret() -> None:
     assert label([{"type": "text", "text": "from parts"}]) == "from parts"
     assert label(None) is None
     assert prefix_label({"prompt": ["first", "second"]}, redact) == "first"
+
+
+class SlowStore(EmbeddedStore):
+    """An embedded store whose lookups answer only once ``release`` is set, as a remote one
+    answers a round trip later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.lookups = 0
+
+    async def lookup(
+        self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
+    ) -> LookupResult:
+        self.lookups += 1
+        await self.release.wait()
+        return await super().lookup(namespace, replicas, hashes)
+
+
+async def test_one_replica_and_a_remote_store_route_without_waiting() -> None:
+    """With one replica nothing routes by the store's numbers: the view comes at once with
+    this proxy's own, and the store's answer is folded in later, as it was when asked (this
+    request's own claim, made meanwhile, is not in it)."""
+    store = SlowStore()
+    tracker = PrefixTracker(store, block_bytes=BLOCK, remote_store=True)
+    doc = "a shared document " * 40
+    earlier = [1, 2, 3]
+    await EmbeddedStore.record_prefix(store, "default", R1, earlier, 1000)
+    first = tracker.lookup(CHAT, body(doc), [R1])
+    store.release.set()
+    first_view = await answered(await first)
+    store.release.clear()
+    claimed = tracker.claim(first_view, R1, capacity_tokens=100_000)  # not in the store yet
+    await tracker.in_flight(first_view, R1, +1)
+    view = await asyncio.wait_for(tracker.lookup(CHAT, body(doc + " more"), [R1]), 1)
+    assert view.pending is not None and not view.pending.done()
+    shared = common_blocks(first_view.fp.block_hashes, view.fp.block_hashes)
+    assert view.matched_for(R1) == shared  # this proxy's recent claim
+    assert view.loads == {R1: 1.0}
+    assert not settled(view).available  # not yet: what the proxy knew, marked unavailable
+    assert not view.pending.done()  # the lookup runs on (to its own deadline)
+
+    again = await tracker.lookup(CHAT, body(doc + " more"), [R1])
+    own = tracker.claim(again, R1, capacity_tokens=100_000)  # its own: a full match locally
+    store.release.set()
+    done = await answered(again)
+    assert done.pending is None and done.available
+    assert done.matched_for(R1) == shared  # as found, not its own claim
+    assert done.loads == {R1: 1.0}
+    assert settled(again) == done
+    assert (await view.pending).available  # the first one answered too
+    for write in (claimed, own):
+        assert write is not None
+        await write
+
+
+async def test_several_replicas_or_an_embedded_store_wait_for_the_answer() -> None:
+    for replicas, remote in (([R1, R2], True), ([R1], False)):
+        store = SlowStore()
+        tracker = PrefixTracker(store, block_bytes=BLOCK, remote_store=remote)
+        lookup = asyncio.ensure_future(tracker.lookup(CHAT, body("q " * 100), replicas))
+        await asyncio.sleep(0.01)
+        assert not lookup.done()  # routing needs the store's numbers
+        store.release.set()
+        view = await lookup
+        assert view.pending is None and view.available
+        assert await answered(view) is view and settled(view) is view
