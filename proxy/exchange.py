@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from proxy.backends import Dialect
 from proxy.fingerprint import hex64
 from proxy.hosted import PROMPT_CACHE_KEY
-from proxy.prefixes import logged_segments, prefix_label
+from proxy.prefixes import logged_segments, prefix_label, settled
 from proxy.records import Observation, RecordBuilder, RequestRecord, utc_now_iso
 
 if TYPE_CHECKING:
@@ -196,6 +196,17 @@ def build_record(
             record.miss_evicted_tokens = split.evicted
             record.miss_unexplained_tokens = split.unexplained
     return record
+
+
+def settle_view(ex: Exchange) -> None:
+    """Fold the store's answer to a lookup not waited for into ``ex`` (``prefixes.settled``),
+    before its record is built: the view, and the load the router would have seen with it
+    (the largest of the counts it knew, the store's shared count now among them)."""
+    if ex.view is None or ex.view.pending is None:
+        return
+    ex.view = view = settled(ex.view)
+    if ex.target is not None:
+        ex.target.load = max(ex.target.load, view.load_for(ex.target.replica.url))
 
 
 def learn(state: ProxyState, record: RequestRecord, ex: Exchange) -> Awaitable[None] | None:

@@ -36,10 +36,10 @@ from proxy.errors import (
     ProxyError,
     anthropic_error_response,
 )
-from proxy.exchange import Exchange, Outgoing, Target, build_record
+from proxy.exchange import Exchange, Outgoing, Target, build_record, settle_view
 from proxy.fleet import Replica
 from proxy.log import get_logger
-from proxy.prefixes import PrefixView, settled
+from proxy.prefixes import PrefixView
 from proxy.records import Observation, monotonic
 from proxy.relay import (
     CLIENT_CLOSED,
@@ -184,10 +184,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
     finally:
         if obs.t_end is None:
             obs.t_end = monotonic()
-        if ex.view is not None and ex.view.pending is not None:
-            ex.view = view = settled(ex.view)  # the store's answer to a lookup not waited for
-            if ex.target is not None:  # the load the router would have seen with it
-                ex.target.load = max(ex.target.load, view.load_for(ex.target.replica.url))
+        settle_view(ex)
         record = build_record(
             ex,
             builder=state.builder,

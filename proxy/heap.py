@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import ctypes.util
 import time
 from typing import Any
 
@@ -39,8 +38,9 @@ of requests, short enough that a busy proxy's fragments never add up to more tha
 def _malloc_trim() -> Any:
     """glibc's ``malloc_trim``, or None where the C library has none."""
     with contextlib.suppress(OSError, AttributeError, TypeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        # The process's own symbols (the C library it runs on among them): no library search,
+        # which would run ``ldconfig``.
+        trim = ctypes.CDLL(None).malloc_trim
         trim.argtypes = [ctypes.c_size_t]
         trim.restype = ctypes.c_int
         return trim
@@ -52,7 +52,7 @@ class HeapTrimmer:
 
     A trim runs on the loop's own thread: it walks the free chunks of each arena under that
     arena's lock, so running it on another thread would only make the loop wait for the lock
-    instead. A trim takes 0.2-0.6 ms under ``bench/soak.py``'s load; ``trims`` and ``seconds``
+    instead. A trim takes 0.2-0.8 ms under ``bench/soak.py``'s load; ``trims`` and ``seconds``
     count them."""
 
     __slots__ = ("_handle", "_trim", "interval_s", "seconds", "trims")

@@ -34,10 +34,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.fingerprint import ChainMemo, Fingerprint, common_blocks, fingerprint_with_data
+from proxy.log import get_logger
 from proxy.records import RequestRecord
 from proxy.routing import TRAFFIC_MAX_BLOCKS, RoutingConfig, TrafficDepth, route_key
 from proxy.store import DEFAULT_NAMESPACE, LookupResult, PrefixStore, StatsSample
 from proxy.store.write_behind import WriteBehind
+
+_log = get_logger()
 
 DEFAULT_TOKENS_PER_BYTE = 0.25  # English prose and code average ~4 bytes per token
 MAX_SEGMENTS_LOGGED = 512
@@ -86,9 +89,17 @@ def settled(view: PrefixView) -> PrefixView:
     task = view.pending
     if task is None:
         return view
-    if task.done() and not task.cancelled() and task.exception() is None:
-        return dataclasses.replace(task.result(), affinity_key=view.affinity_key)
-    return dataclasses.replace(view, available=False, pending=None)
+    if not task.done() or task.cancelled() or task.exception() is not None:
+        return dataclasses.replace(view, available=False, pending=None)
+    found = task.result()
+    return dataclasses.replace(
+        view,
+        matched_blocks=found.matched_blocks,
+        loads=found.loads,
+        shared_blocks=found.shared_blocks,
+        available=found.available,
+        pending=None,
+    )
 
 
 async def answered(view: PrefixView) -> PrefixView:
@@ -284,6 +295,8 @@ class PrefixTracker:
         self.recent = RecentClaims()
         self.chains = ChainMemo()
         """Recent long prompts' chains: a prompt resending one's prefix hashes only the rest."""
+        self._lookups: set[asyncio.Future[PrefixView]] = set()
+        """Lookups not waited for (``remote_store``), until they end (each within its deadline)."""
 
     async def lookup(
         self,
@@ -313,8 +326,15 @@ class PrefixTracker:
                 own, matched_blocks=recent, loads={r: float(local.get(r, 0)) for r in replicas}
             )
             task = asyncio.ensure_future(self._answer(own, replicas, found, recent))
+            self._lookups.add(task)
+            task.add_done_callback(self._answered)
             return dataclasses.replace(own, pending=task)
         return await self._answer(own, replicas, found)
+
+    def _answered(self, task: asyncio.Future[PrefixView]) -> None:
+        self._lookups.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            _log.error("lookup_failed", exc_info=task.exception())
 
     async def _answer(
         self,
@@ -481,7 +501,10 @@ class PrefixTracker:
         await self.store.add_stats(sample)
 
     async def flush(self) -> None:
-        """Apply the store writes queued (write behind); nothing to do without it."""
+        """Let the lookups not waited for end (each within its deadline), then apply the store
+        writes queued (write behind; nothing to apply without it)."""
+        if self._lookups:
+            await asyncio.wait(list(self._lookups))
         if self.writes is not None:
             await self.writes.flush()
 

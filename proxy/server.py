@@ -240,7 +240,7 @@ async def serve_app(
     if admin is not None:
         runners.append(make_runner(admin))
     received = 0
-    heap = HeapTrimmer()
+    heap = HeapTrimmer() if tune_gc else None
 
     def on_signal() -> None:
         nonlocal received
@@ -265,6 +265,7 @@ async def serve_app(
             started.append(runner)
         if tune_gc:
             tune_collector()
+        if heap is not None:
             heap.start()
         if not stop.is_set():
             listeners = [(runners[0], _hosts(host), port)]
@@ -280,7 +281,8 @@ async def serve_app(
             )
             await stop.wait()
     finally:
-        heap.stop()
+        if heap is not None:
+            heap.stop()
         try:
             for runner in reversed(started):
                 await runner.cleanup()

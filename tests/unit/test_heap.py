@@ -20,10 +20,11 @@ async def test_trims_on_its_timer_until_stopped() -> None:
     trimmer = HeapTrimmer(0.01, trim=calls.append)
     trimmer.start()
     trimmer.start()  # idempotent: one timer
-    await asyncio.sleep(0.055)
+    async with asyncio.timeout(5):
+        while len(calls) < 3:
+            await asyncio.sleep(0.005)
     trimmer.stop()
     done = len(calls)
-    assert 3 <= done <= 6
     assert set(calls) == {0}  # malloc_trim(0): every arena, no padding kept
     assert trimmer.trims == done and trimmer.seconds >= 0.0
     await asyncio.sleep(0.03)
@@ -40,7 +41,10 @@ async def test_a_failing_trim_stops_trimming() -> None:
 
     trimmer = HeapTrimmer(0.01, trim=trim)
     trimmer.start()
-    await asyncio.sleep(0.045)
+    async with asyncio.timeout(5):
+        while trimmer.available:
+            await asyncio.sleep(0.005)
+    await asyncio.sleep(0.03)
     assert calls == 1
     assert not trimmer.available
     trimmer.start()  # nothing left to start
@@ -75,17 +79,18 @@ def test_free_heap_pages_go_back_to_the_system() -> None:
     assert trimmer.available
     trimmer.trim()
     size = 96 * 1024  # under glibc's initial mmap threshold: served from the heap
-    big = [bytes(size) for _ in range(320)]  # ~30 MiB, every page touched
-    pins = [bytearray(2048) for _ in range(320)]  # live between them: the heap cannot shrink
+    total = 320 * size  # 30 MiB
+    big = [b"\x01" * size for _ in range(320)]  # every page written (not calloc's zero pages)
+    pin = b"\x02" * size  # live above them: the heap's top cannot shrink past it
     before = _rss()
     del big
     freed = _rss()
     trimmer.trim()
     after = _rss()
     assert trimmer.trims == 2
-    assert before - freed < 8 * 2**20  # freed, but still resident
-    assert freed - after > 20 * 2**20  # given back
-    del pins
+    assert before - freed < 0.2 * total  # freed, but still resident
+    assert freed - after > 0.6 * total  # given back
+    del pin
 
 
 async def test_the_process_server_starts_and_stops_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,9 +5,14 @@ cannot answer."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
+from structlog.testing import capture_logs
+
+from proxy.exchange import Exchange, Target, settle_view
 from proxy.fingerprint import common_blocks
 from proxy.prefixes import (
     PrefixTracker,
@@ -18,7 +23,7 @@ from proxy.prefixes import (
     prefix_label,
     settled,
 )
-from proxy.records import RequestRecord
+from proxy.records import Observation, RequestRecord
 from proxy.routing import Candidate, Router, RoutingConfig, route_key
 from proxy.store import EmbeddedStore, LookupResult
 
@@ -307,3 +312,66 @@ async def test_several_replicas_or_an_embedded_store_wait_for_the_answer() -> No
         view = await lookup
         assert view.pending is None and view.available
         assert await answered(view) is view and settled(view) is view
+
+
+async def test_the_answer_not_waited_for_is_the_one_an_awaited_lookup_gets() -> None:
+    """The store knows more than this proxy (another proxy's claim, load and traffic): the
+    view folded in later says what a lookup that waited would have said."""
+    store = SlowStore()
+    store.release.set()
+    routing = RoutingConfig(min_window_requests=4)
+    peer = PrefixTracker(store, block_bytes=BLOCK, routing=routing)  # another proxy
+    doc = "a document another proxy sent " * 30
+    for i in range(6):
+        seen = await peer.lookup(CHAT, body(doc + f" question {i}"), [R1])
+        claimed = peer.claim(seen, R1, capacity_tokens=100_000)
+        assert claimed is not None
+        await claimed
+    for _ in range(2):
+        counted = peer.in_flight(seen, R1, +1)
+        assert counted is not None
+        await counted
+    waited = await PrefixTracker(store, block_bytes=BLOCK, routing=routing).lookup(
+        CHAT, body(doc + " a new one"), [R1]
+    )
+    assert waited.matched_for(R1) > 0 and waited.load_for(R1) == 2.0 and waited.shared_blocks > 0
+
+    store.release.clear()
+    tracker = PrefixTracker(store, block_bytes=BLOCK, routing=routing, remote_store=True)
+    view = await tracker.lookup(CHAT, body(doc + " a new one"), [R1])
+    assert (view.matched_for(R1), view.load_for(R1), view.shared_blocks) == (0, 0.0, 0)
+    view = dataclasses.replace(view, affinity_key=7)  # set by the handler meanwhile
+    store.release.set()
+    done = await answered(view)
+    assert done.matched_blocks == waited.matched_blocks
+    assert done.loads == waited.loads
+    assert done.shared_blocks == waited.shared_blocks
+    assert done.available and done.affinity_key == 7 and done.pending is None
+
+    # Before the record: the exchange's view, and the load the router would have seen.
+    ex = Exchange(request_id="r", route=CHAT, upstream_path=CHAT, obs=Observation(t_start=0.0))
+    ex.view = view
+    ex.target = Target(replica=SimpleNamespace(url=R1), reason="single", load=1.0)  # type: ignore[arg-type]
+    settle_view(ex)
+    assert ex.view == done and ex.target.load == 2.0
+    await tracker.flush()  # nothing left running
+
+
+async def test_a_lookup_that_fails_is_logged_not_lost() -> None:
+    class Broken(SlowStore):
+        async def lookup(
+            self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
+        ) -> LookupResult:
+            await self.release.wait()
+            raise ValueError("a reply the store could not read")
+
+    store = Broken()
+    tracker = PrefixTracker(store, block_bytes=BLOCK, remote_store=True)
+    with capture_logs() as logs:
+        view = await tracker.lookup(CHAT, body("q " * 100), [R1])
+        assert view.pending is not None
+        store.release.set()
+        await tracker.flush()
+        await asyncio.sleep(0)
+    assert [e["event"] for e in logs] == ["lookup_failed"]
+    assert not settled(view).available
