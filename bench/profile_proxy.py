@@ -10,6 +10,8 @@ py-spy is not a project dependency; install it anywhere (``python3 -m venv /tmp/
 
 ``--cpu-only`` skips the profile and prints the proxy's CPU time per request instead;
 ``--target relay`` measures ``bench/bare_relay.py`` the same way (the floor of an aiohttp proxy).
+``--against PATH`` runs this tree's prefixgate and another installation's side by side under
+one load (``--against relay``: the bare relay beside it, the issue-21 CPU target read at once).
 ``--sizes 8192,65536,...`` prints a size-linearity table, one stream at a time: for each prompt
 size, prefixgate and the relay alternately (a fresh process each), CPU per request, TTFT p50 and
 prefixgate's ``proxy_overhead_ms`` p50 from its records.
@@ -126,7 +128,9 @@ def side_by_side(args: argparse.Namespace) -> int:
                 )
             ),
             "against": stack.enter_context(
-                procs.start_prefixgate(
+                procs.start_bare_relay(workdir, fake.url)
+                if args.against == "relay"
+                else procs.start_prefixgate(
                     workdir, fake.url, name="pg-against", extra=extra, command=[args.against]
                 )
             ),
@@ -240,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--against",
         default="",
-        help="another installation's prefixgate (a path): both measured side by side, at once",
+        help="another installation's prefixgate (a path), or 'relay' (bench/bare_relay.py): "
+        "both measured side by side, at once",
     )
     parser.add_argument(
         "--this",
