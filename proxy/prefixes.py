@@ -28,13 +28,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections import deque
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.fingerprint import ChainMemo, Fingerprint, common_blocks, fingerprint_with_data
+from proxy.fingerprint import ChainMemo, Fingerprint, fingerprint_with_data
 from proxy.log import get_logger
+from proxy.recent_claims import RecentClaims
 from proxy.records import RequestRecord
 from proxy.routing import TRAFFIC_MAX_BLOCKS, RoutingConfig, TrafficDepth, route_key
 from proxy.store import DEFAULT_NAMESPACE, LookupResult, PrefixStore, StatsSample
@@ -173,100 +173,6 @@ class TokensPerByte:
         self._ratio[key] = ratio if old is None else old + self._alpha * (ratio - old)
 
 
-def checkpoints(n: int) -> Iterator[int]:
-    """Indices of a chain of ``n`` blocks that ``RecentClaims`` files a claim under, deepest
-    first: the last block, then blocks ``2**k - 1`` (the 1st, 2nd, 4th, 8th...). Two chains
-    sharing ``m`` leading blocks share a checkpoint at depth at least ``m / 2``."""
-    if n <= 0:
-        return
-    yield n - 1
-    k = 1 << (n - 1).bit_length()
-    while k > 1:
-        k >>= 1
-        if k - 1 < n - 1:
-            yield k - 1
-
-
-@dataclass(slots=True, eq=False)
-class _Claim:
-    expires: float
-    namespace: str
-    replica: str
-    chain: Sequence[int]
-
-
-class RecentClaims:
-    """Claims this proxy made in the last ``ttl_s`` seconds, read by its next lookups.
-
-    The store learns a claim in the background, and requests that arrive together all look up
-    the index before any of those writes lands; without this they would all miss and spread over
-    the fleet. A claim is filed under ``(namespace, replica, hash)`` at the checkpoint indices of
-    its chain and keeps a reference to the chain, so a lookup finds a claim sharing at least half
-    of its match in O(log n) probes and measures the exact match by binary search.
-
-    Bounded by the TTL and by ``max_blocks``, the block hashes the live claims hold in all (a
-    128 KB prompt is 512 of them; 2**18 is some 10 MB at most): past it the oldest claims go
-    first, whatever their age.
-    """
-
-    __slots__ = ("_blocks", "_claims", "_entries", "_max_blocks", "_ttl_s")
-
-    def __init__(self, *, ttl_s: float = 5.0, max_blocks: int = 1 << 18) -> None:
-        self._ttl_s = ttl_s
-        self._max_blocks = max_blocks
-        self._entries: dict[tuple[str, str, int], _Claim] = {}
-        self._claims: deque[_Claim] = deque()
-        self._blocks = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    @property
-    def blocks(self) -> int:
-        """Block hashes the live claims hold."""
-        return self._blocks
-
-    def add(self, namespace: str, replica: str, hashes: Sequence[int], now: float) -> None:
-        claim = _Claim(now + self._ttl_s, namespace, replica, hashes)
-        entries = self._entries
-        for i in checkpoints(len(hashes)):
-            entries[(namespace, replica, hashes[i])] = claim
-        self._claims.append(claim)
-        self._blocks += len(hashes)
-        claims = self._claims
-        while claims and (claims[0].expires <= now or self._blocks > self._max_blocks):
-            self._drop(claims.popleft())
-
-    def _drop(self, claim: _Claim) -> None:
-        self._blocks -= len(claim.chain)
-        entries, chain = self._entries, claim.chain
-        for i in checkpoints(len(chain)):
-            key = (claim.namespace, claim.replica, chain[i])
-            if entries.get(key) is claim:  # not since taken over by a newer claim
-                del entries[key]
-
-    def forget(self, namespace: str, replica: str, hashes: Sequence[int]) -> None:
-        """Drop the claim of ``hashes`` (its replica failed before serving the request); the
-        entries other claims have since taken over stay theirs."""
-        entries = self._entries
-        for i in checkpoints(len(hashes)):
-            key = (namespace, replica, hashes[i])
-            claim = entries.get(key)
-            if claim is not None and claim.chain is hashes:
-                del entries[key]
-
-    def matched(self, namespace: str, replica: str, hashes: Sequence[int], now: float) -> int:
-        """Leading blocks of ``hashes`` that a live claim for ``replica`` holds."""
-        entries = self._entries
-        if not entries:
-            return 0
-        for i in checkpoints(len(hashes)):
-            claim = entries.get((namespace, replica, hashes[i]))
-            if claim is not None and claim.expires > now:
-                return common_blocks(hashes, claim.chain, i + 1)
-        return 0
-
-
 class PrefixTracker:
     """Fingerprints requests, predicts their cache hits and keeps the index and statistics."""
 
@@ -317,57 +223,74 @@ class PrefixTracker:
         )
         hashes = fp.block_hashes
         found = self.store.lookup(namespace, replicas, hashes)
-        own = PrefixView(fp=fp, namespace=namespace, matched_blocks={}, rendered=rendered)
         if self.remote_store and len(replicas) == 1:
-            # This proxy's numbers now, before the request's own claim joins them.
-            recent = self._with_recent(namespace, replicas, hashes, {}) if len(self.recent) else {}
-            local = self._local_in_flight
-            own = dataclasses.replace(
-                own, matched_blocks=recent, loads={r: float(local.get(r, 0)) for r in replicas}
-            )
-            task = asyncio.ensure_future(self._answer(own, replicas, found, recent))
-            self._lookups.add(task)
-            task.add_done_callback(self._answered)
-            return dataclasses.replace(own, pending=task)
-        return await self._answer(own, replicas, found)
+            return self._not_waited(fp, namespace, rendered, replicas, found)
+        answer = await found
+        local = self._local_in_flight
+        matched: Mapping[str, int] = answer.matched
+        if len(self.recent):  # this proxy's claims the store may not have yet
+            matched = self._with_recent(namespace, replicas, hashes, answer.matched)
+        own = {r: float(local.get(r, 0)) for r in replicas}
+        return self._view(fp, namespace, rendered, answer, matched, own)
+
+    def _view(
+        self,
+        fp: Fingerprint,
+        namespace: str,
+        rendered: bytes,
+        found: LookupResult,
+        matched: Mapping[str, int],
+        local: Mapping[str, float],
+    ) -> PrefixView:
+        """The store's answer with this proxy's matches (``matched``) and in-flight counts
+        (``local``, never undercut by the shared count) folded in."""
+        return PrefixView(
+            fp=fp,
+            namespace=namespace,
+            matched_blocks=matched,
+            rendered=rendered,
+            loads={r: max(found.loads.get(r, 0.0), n) for r, n in local.items()},
+            shared_blocks=self.depth.shared_blocks(found.window_requests, found.hash_counts),
+            available=found.available,
+        )
+
+    def _not_waited(
+        self,
+        fp: Fingerprint,
+        namespace: str,
+        rendered: bytes,
+        replicas: Sequence[str],
+        found: Coroutine[Any, Any, LookupResult],
+    ) -> PrefixView:
+        """The view at once, with this proxy's numbers as the request found them (before its
+        own claim joins them); the store's answer folded in when it comes (``pending``)."""
+        hashes = fp.block_hashes
+        recent = self._with_recent(namespace, replicas, hashes, {}) if len(self.recent) else {}
+        local = {r: float(self._local_in_flight.get(r, 0)) for r in replicas}
+
+        async def answer() -> PrefixView:
+            got = await found
+            matched = got.matched
+            if recent:
+                matched = {r: max(got.matched.get(r, 0), m) for r, m in recent.items()}
+            return self._view(fp, namespace, rendered, got, matched, local)
+
+        task = asyncio.ensure_future(answer())
+        self._lookups.add(task)
+        task.add_done_callback(self._answered)
+        return PrefixView(
+            fp=fp,
+            namespace=namespace,
+            matched_blocks=recent,
+            rendered=rendered,
+            loads=local,
+            pending=task,
+        )
 
     def _answered(self, task: asyncio.Future[PrefixView]) -> None:
         self._lookups.discard(task)
         if not task.cancelled() and task.exception() is not None:
             _log.error("lookup_failed", exc_info=task.exception())
-
-    async def _answer(
-        self,
-        own: PrefixView,
-        replicas: Sequence[str],
-        found_aw: Coroutine[Any, Any, LookupResult],
-        recent: Mapping[str, int] | None = None,
-    ) -> PrefixView:
-        """``own`` with the store's answer; ``recent``: this proxy's claims as the request
-        found them (None: as they are once the store has answered, the claims of requests
-        that arrived meanwhile included)."""
-        found = await found_aw
-        local = self._local_in_flight
-        hashes = own.fp.block_hashes
-        loads = {
-            r: max(found.loads.get(r, 0.0), own.loads.get(r, float(local.get(r, 0))))
-            for r in replicas
-        }
-        matched: Mapping[str, int] = found.matched
-        if recent is None:
-            if len(self.recent):  # this proxy's claims the store may not have yet
-                matched = self._with_recent(own.namespace, replicas, hashes, found.matched)
-        elif recent:
-            matched = {r: max(found.matched.get(r, 0), m) for r, m in recent.items()}
-        return PrefixView(
-            fp=own.fp,
-            namespace=own.namespace,
-            matched_blocks=matched,
-            rendered=own.rendered,
-            loads=loads,
-            shared_blocks=self.depth.shared_blocks(found.window_requests, found.hash_counts),
-            available=found.available,
-        )
 
     def _with_recent(
         self,

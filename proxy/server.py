@@ -216,13 +216,14 @@ async def serve_app(
     admin_host: str | Sequence[str] | None = None,
     admin_port: int = 0,
     backlog: int = BACKLOG,
-    tune_gc: bool = False,
+    tune_process: bool = False,
 ) -> None:
     """Serve ``app`` on every address in ``host`` (and ``admin`` on its own) until a signal.
 
-    ``tune_gc`` (the process's own server, ``run_app``): once the apps have started, what they
-    built is set aside from the cyclic collector's walks (``gc.freeze``) and its thresholds are
-    raised (``GC_YOUNG_OBJECTS``).
+    ``tune_process`` (the process's own server, ``run_app``): once the apps have started, what
+    they built is set aside from the cyclic collector's walks (``gc.freeze``), its thresholds
+    are raised (``GC_YOUNG_OBJECTS``), and the C heap's free pages are given back on a timer
+    (``proxy.heap``); an embedded server leaves the process as it found it.
 
     ``app`` starts first and stops last: the admin application reads its state. The first
     SIGTERM or SIGINT stops listening, lets requests in flight finish (up to
@@ -240,7 +241,7 @@ async def serve_app(
     if admin is not None:
         runners.append(make_runner(admin))
     received = 0
-    heap = HeapTrimmer() if tune_gc else None
+    heap = HeapTrimmer() if tune_process else None
 
     def on_signal() -> None:
         nonlocal received
@@ -263,9 +264,8 @@ async def serve_app(
                 break
             await runner.setup()
             started.append(runner)
-        if tune_gc:
+        if heap is not None:  # tune_process: the collector and the heap, once start-up is done
             tune_collector()
-        if heap is not None:
             heap.start()
         if not stop.is_set():
             listeners = [(runners[0], _hosts(host), port)]
@@ -337,7 +337,7 @@ def run_app(
                 admin_host=admin_host,
                 admin_port=admin_port,
                 backlog=backlog,
-                tune_gc=True,
+                tune_process=True,
             )
         )
 

@@ -17,12 +17,17 @@ from proxy.heap import HeapTrimmer
 
 async def test_trims_on_its_timer_until_stopped() -> None:
     calls: list[int] = []
-    trimmer = HeapTrimmer(0.01, trim=calls.append)
+    three = asyncio.Event()
+
+    def trim(pad: int) -> None:
+        calls.append(pad)
+        if len(calls) >= 3:
+            three.set()
+
+    trimmer = HeapTrimmer(0.01, trim=trim)
     trimmer.start()
     trimmer.start()  # idempotent: one timer
-    async with asyncio.timeout(5):
-        while len(calls) < 3:
-            await asyncio.sleep(0.005)
+    await asyncio.wait_for(three.wait(), 5)
     trimmer.stop()
     done = len(calls)
     assert set(calls) == {0}  # malloc_trim(0): every arena, no padding kept
@@ -33,17 +38,17 @@ async def test_trims_on_its_timer_until_stopped() -> None:
 
 async def test_a_failing_trim_stops_trimming() -> None:
     calls = 0
+    tried = asyncio.Event()
 
     def trim(pad: int) -> int:
         nonlocal calls
         calls += 1
+        tried.set()
         raise OSError("no")
 
     trimmer = HeapTrimmer(0.01, trim=trim)
     trimmer.start()
-    async with asyncio.timeout(5):
-        while trimmer.available:
-            await asyncio.sleep(0.005)
+    await asyncio.wait_for(tried.wait(), 5)
     await asyncio.sleep(0.03)
     assert calls == 1
     assert not trimmer.available
@@ -106,7 +111,7 @@ async def test_the_process_server_starts_and_stops_it(monkeypatch: pytest.Monkey
     monkeypatch.setattr(server, "HeapTrimmer", Recording)
     monkeypatch.setattr(server, "tune_collector", lambda: events.append("gc"))
     app = web.Application()
-    task = asyncio.ensure_future(server.serve_app(app, host="127.0.0.1", port=0, tune_gc=True))
+    task = asyncio.ensure_future(server.serve_app(app, host="127.0.0.1", port=0, tune_process=True))
     for _ in range(200):
         await asyncio.sleep(0.01)
         if "start" in events:

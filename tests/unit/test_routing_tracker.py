@@ -14,15 +14,8 @@ from structlog.testing import capture_logs
 
 from proxy.exchange import Exchange, Target, settle_view
 from proxy.fingerprint import common_blocks
-from proxy.prefixes import (
-    PrefixTracker,
-    PrefixView,
-    RecentClaims,
-    answered,
-    checkpoints,
-    prefix_label,
-    settled,
-)
+from proxy.prefixes import PrefixTracker, PrefixView, answered, prefix_label, settled
+from proxy.recent_claims import RecentClaims, checkpoints
 from proxy.records import Observation, RequestRecord
 from proxy.routing import Candidate, Router, RoutingConfig, route_key
 from proxy.store import EmbeddedStore, LookupResult
