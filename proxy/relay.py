@@ -22,6 +22,7 @@ received a byte, and a read timeout is not retried (the backend may still be wor
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -89,8 +90,11 @@ def is_bodiless(method: str, status: int) -> bool:
     return method == "HEAD" or status < 200 or status in (204, 304)
 
 
+@functools.lru_cache(maxsize=8)
 def upstream_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
-    """Connect and between-bytes limits; never a total limit (streams may run for minutes)."""
+    """Connect and between-bytes limits; never a total limit (streams may run for minutes).
+
+    One (immutable) object per setting, not one per request."""
     return aiohttp.ClientTimeout(
         total=None,
         connect=timeouts.connect,
@@ -261,20 +265,16 @@ async def _relay_stream(
     try:
         async for chunk in upstream.content.iter_any():
             now = monotonic()
-            read_after = False
+            read_after = 0
             if not splitter.pending and inspector.plain_chunk(chunk, now):
                 data = chunk  # the usual read once the answer is under way: one token event
-            elif (
-                obs.t_first_visible is None and not splitter.pending and inspector.unchanged(chunk)
-            ):
+            elif obs.t_first_visible is None and not splitter.pending:
                 # Token events before the first visible one is timed: forwarded as they are
                 # whatever they hold, so they go out first and are read after.
-                data, read_after = chunk, True
+                read_after = inspector.unchanged(chunk)
+                data = chunk if read_after else _inspect(splitter, inspector, chunk, now)
             else:
-                out: list[bytes] = []
-                for event in splitter.feed(chunk):
-                    inspector.process(event, now, out)
-                data = b"".join(out)
+                data = _inspect(splitter, inspector, chunk, now)
             obs.inspect_s += monotonic() - now
             if data:
                 if not await _write(request, resp, data, ex.send_timeout_s):
@@ -283,9 +283,7 @@ async def _relay_stream(
                 body_started = True
             if read_after:
                 t0 = monotonic()
-                forwarded: list[bytes] = []  # the events of ``data``, already sent
-                for event in splitter.feed(chunk):
-                    inspector.process(event, now, forwarded)
+                inspector.read_unchanged(chunk, read_after, now)
                 obs.inspect_s += monotonic() - t0
     except TimeoutError:
         failure = BackendTimeout("backend stopped sending mid-stream")
@@ -319,6 +317,16 @@ async def _relay_stream(
         return resp
     obs.t_end = monotonic()
     return resp
+
+
+def _inspect(
+    splitter: EventSplitter, inspector: StreamInspector, chunk: bytes, now: float
+) -> bytes:
+    """What of ``chunk`` reaches the client, its events observed (``StreamInspector.process``)."""
+    out: list[bytes] = []
+    for event in splitter.feed(chunk):
+        inspector.process(event, now, out)
+    return b"".join(out)
 
 
 async def _write(

@@ -42,7 +42,11 @@ _API_TOKENS: dict[str, tuple[bytes, bytes, bytes]] = {
 
 
 def _plain_api_event(event: bytes, head: bytes, pattern: bytes, marker: bytes) -> bool:
-    if not event.startswith(head) or event.find(b"\n", len(head)) < len(event) - 2:
+    if (
+        not event.startswith(head)
+        or event.find(b"\n", len(head)) < len(event) - 2
+        or not event.endswith(b"\n\n")
+    ):
         return False  # not exactly the event line and one data line ending in "\n\n"
     if marker and marker not in event:
         return False
@@ -64,8 +68,14 @@ def plain_token_event(event: bytes, route: str) -> bool:
     api = _API_TOKENS.get(route)
     if api is not None:
         return _plain_api_event(event, *api)
-    if not event.startswith(b"data: {") or event.find(b"\n") < len(event) - 2:
-        return False  # not one data line ending in a blank line ("\n\n")
+    if (
+        not event.startswith(b"data: {")
+        or event.find(b"\n") < len(event) - 2
+        or not event.endswith(b"\n\n")
+    ):
+        # Not one data line ending in a blank line ("\n\n"); a read may also stop one line
+        # break short of it (the event's end comes with the next read).
+        return False
     if route == NATIVE_COMPLETION:
         if b'"stop":false' not in event:
             return False
@@ -202,17 +212,34 @@ class StreamInspector:
         obs.token_events += events
         return True
 
-    def unchanged(self, chunk: bytes) -> bool:
-        """Whether ``chunk`` (a whole upstream read) is whole token events that ``process``
-        forwards as they are: nothing is held back, the read ends where an event ends, and each
-        is a plain token event (no usage, timings, error or finish to act on), so it can reach
-        the client before it is read."""
+    def unchanged(self, chunk: bytes) -> int:
+        """How many whole token events ``chunk`` (a whole upstream read) is when ``process``
+        would forward them as they are, else 0: nothing is held back, the read ends where an
+        event ends, and each is a plain token event (no usage, timings, error or finish to act
+        on), so it can reach the client before it is read (``read_unchanged``)."""
         if self._held is not None or b"\r" in chunk or not chunk.endswith(b"\n\n"):
-            return False  # only whole events, which the splitter then cuts exactly as they came
+            return 0  # only whole events, which the splitter then cuts exactly as they came
         if b'"finish_reason":"' in chunk:
-            return False  # a choice finishing (among several) may be held back
+            return 0  # a choice finishing (among several) may be held back
         route = self.ex.route
-        return plain_token_event(chunk, route) or plain_token_run(chunk, route) > 0
+        return 1 if plain_token_event(chunk, route) else plain_token_run(chunk, route)
+
+    def read_unchanged(self, chunk: bytes, events: int, now: float) -> None:
+        """Observe ``chunk``, already forwarded: ``events`` whole plain token events
+        (``unchanged``). They are read one by one until the first visible token is timed; the
+        rest are only counted, as ``process`` would count them."""
+        obs = self.ex.obs
+        if events == 1:
+            self.process(chunk, now, [])
+            return
+        parts = chunk.split(b"\n\n")  # no "\r": exactly the splitter's cuts (plain_token_run)
+        seen: list[bytes] = []
+        for i in range(events):
+            if obs.t_first_visible is not None:
+                obs.t_last_token = now
+                obs.token_events += events - i
+                return
+            self.process(parts[i] + b"\n\n", now, seen)
 
     def _count_token(self, now: float) -> None:
         """A plain token event passed: it is the latest token, and one more."""

@@ -3,6 +3,7 @@ shortcut observes exactly what parsing every event would."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import orjson
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 import proxy.stream_inspect as stream_inspect
 from proxy.backends import DIALECTS
+from proxy.backends.apis import RESPONSES
 from proxy.backends.base import CHAT, COMPLETIONS, NATIVE_COMPLETION
 from proxy.exchange import Exchange
 from proxy.records import Observation
@@ -159,12 +161,19 @@ def relay_chunks(
         if not splitter.pending and inspector.plain_chunk(chunk, now):
             out.append(chunk)
             continue
-        if ex.obs.t_first_visible is None and not splitter.pending and inspector.unchanged(chunk):
-            out.append(chunk)  # forwarded first...
+        events = 0
+        if ex.obs.t_first_visible is None and not splitter.pending:
+            events = inspector.unchanged(chunk)
+        if events:
+            # Forwarded first, then read: reading it first would have forwarded the same.
+            twin = StreamInspector(dataclasses.replace(ex, obs=dataclasses.replace(ex.obs)))
             seen: list[bytes] = []
-            for event in splitter.feed(chunk):  # ... then read
-                inspector.process(event, now, seen)
-            assert b"".join(seen) == chunk  # what reading it first would have forwarded
+            for event in EventSplitter().feed(chunk):
+                twin.process(event, now, seen)
+            assert b"".join(seen) == chunk
+            out.append(chunk)
+            inspector.read_unchanged(chunk, events, now)
+            assert ex.obs == twin.ex.obs  # and observed the same as reading each event
             continue
         for event in splitter.feed(chunk):
             inspector.process(event, now, out)
@@ -197,6 +206,25 @@ mostly_plain = st.one_of(
     chunks,
 )
 separators = st.sampled_from([b"\n\n", b"\n\n", b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\n\n"])
+
+
+def test_a_read_one_line_break_short_of_an_event_end_is_not_a_whole_event() -> None:
+    """A read that stops between an event's two closing line breaks is not yet that event: its
+    token is timed when the read that ends it arrives, as parsing each event times it."""
+    event = chat_chunk({"content": "a"})
+    stream = event + usage_event
+    assert not plain_token_event(event[:-1], CHAT)
+    api = b'event: response.output_text.delta\ndata: {"delta":"a"}\n\n'
+    assert plain_token_event(api, RESPONSES) and not plain_token_event(api[:-1], RESPONSES)
+    for first_visible in (None, 0.5):
+        obs, out = relay_chunks(
+            [stream[: len(event) - 1], stream[len(event) - 1 :]],
+            CHAT,
+            "llamacpp",
+            first_visible=first_visible,
+        )
+        assert obs.t_last_token == 2.0 and obs.token_events == 1
+        assert b"".join(out) == event  # the usage event the proxy asked for is dropped
 
 
 def test_a_read_cut_by_a_carriage_return_pair_is_two_events() -> None:
