@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import operator
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -336,11 +337,10 @@ class RequestRecord:
 
         Fields in every record first, then the two hit rates, then the fields that are set.
         """
-        out = {name: getattr(self, name) for name in _ALWAYS}
+        out = dict(zip(_ALWAYS, _always(self), strict=True))
         out["hit_rate"] = _rate(self.hit_rate)
         out["predicted_hit_rate"] = _rate(self.predicted_hit_rate)
-        for name in _WHEN_SET:
-            value = getattr(self, name)
+        for name, value in zip(_WHEN_SET, _when_set(self), strict=True):
             if value is not None:
                 out[name] = value
         return out
@@ -366,6 +366,8 @@ _ALWAYS = tuple(
 _WHEN_SET = tuple(
     f.name for f in dataclasses.fields(RequestRecord) if f.metadata.get(ONLY_WHEN_SET)
 )
+_always = operator.attrgetter(*_ALWAYS)  # every field's value in one call
+_when_set = operator.attrgetter(*_WHEN_SET)
 DERIVED = {
     "hit_rate": "Measured share of prompt tokens served from cache (4 decimals); null: unknown.",
     "predicted_hit_rate": "Predicted share of prompt tokens from cache (4 decimals, at most 1).",

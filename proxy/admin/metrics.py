@@ -127,6 +127,66 @@ class _LiveCollector(Collector):
         yield from (degraded, failures, in_flight, healthy)
 
 
+MISS_CAUSES = ("new", "breaker", "routing", "evicted", "unexplained")
+_BY_MODEL_BACKEND = frozenset(
+    {
+        "prompt_tokens",
+        "cached_tokens",
+        "cached_reported_prompt_tokens",
+        "predicted_cached_tokens",
+        "completion_tokens",
+        "slo_met",
+        "slo_evaluated",
+        "saved_prefill_seconds",
+        "saved_usd",
+        "ttft",
+        "ttfvt",
+        "tpot",
+        "duration",
+    }
+)
+"""``ProxyMetrics``' metrics labelled (model, backend) alone: ``_Series`` holds their children."""
+
+
+class _Series:
+    """One (model, backend)'s children of the metrics a record updates, each made the first
+    time it is used (a series appears once it has something to count, as with ``labels``):
+    a record then reaches them by attribute, with no label tuple built or looked up."""
+
+    __slots__ = (
+        "_metrics",
+        "backend",
+        "input_usage",
+        "model",
+        "output_usage",
+        "status",
+        "uncached",
+        *sorted(_BY_MODEL_BACKEND),
+    )
+
+    def __init__(self, metrics: ProxyMetrics, model: str, backend: str) -> None:
+        self._metrics = metrics
+        self.model = model
+        self.backend = backend
+        self.status: dict[int, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:  # an unset slot: its child, made now
+        m = self._metrics
+        child: Any
+        if name in _BY_MODEL_BACKEND:
+            child = getattr(m, name).labels(self.model, self.backend)
+        elif name == "input_usage" or name == "output_usage":
+            child = m.token_usage.labels(name.removesuffix("_usage"), self.model)
+        elif name == "uncached":
+            child = tuple(
+                m.uncached_tokens.labels(self.model, self.backend, cause) for cause in MISS_CAUSES
+            )
+        else:
+            raise AttributeError(name)
+        setattr(self, name, child)
+        return child
+
+
 class ProxyMetrics:
     """The registry of one proxy application and the record sink that feeds it."""
 
@@ -139,6 +199,7 @@ class ProxyMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self._model = LabelCap(max_models)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._by_backend: dict[tuple[str, str], _Series] = {}
         reg = self.registry
 
         # Updated from the event loop only: values kept without locks (``proxy.admin.series``).
@@ -289,42 +350,55 @@ class ProxyMetrics:
         if _REASON_OK.match(reason):
             self._child(self.route_decisions, backend, reason).inc()
 
+    def _series(self, model: str, backend: str) -> _Series:
+        key = (model, backend)
+        series = self._by_backend.get(key)
+        if series is None:
+            series = self._by_backend[key] = _Series(self, model, backend)
+        return series
+
     def observe(self, record: RequestRecord) -> None:
         """Record sink: fold one finished request into the counters and histograms."""
-        model = self._model(record.model)
         backend = record.backend or UNKNOWN
-        mb = (model, backend)
-        self._child(self.requests, model, backend, str(record.status)).inc()
+        s = self._series(self._model(record.model), backend)
+        status = s.status.get(record.status)
+        if status is None:
+            status = s.status[record.status] = self.requests.labels(
+                s.model, backend, str(record.status)
+            )
+        status.inc()
         prompt = record.prompt_tokens
         if prompt is not None and prompt >= 0:
-            self._child(self.prompt_tokens, *mb).inc(prompt)
-            self._child(self.token_usage, "input", model).observe(prompt)
+            s.prompt_tokens.inc(prompt)
+            s.input_usage.observe(prompt)
             if record.cached_tokens is not None and record.cached_tokens >= 0:
-                self._child(self.cached_tokens, *mb).inc(record.cached_tokens)
-                self._child(self.cached_reported_prompt_tokens, *mb).inc(prompt)
+                s.cached_tokens.inc(record.cached_tokens)
+                s.cached_reported_prompt_tokens.inc(prompt)
             predicted = record.predicted_cached_tokens
             if predicted is not None and predicted >= 0:
-                self._child(self.predicted_cached_tokens, *mb).inc(predicted)
+                s.predicted_cached_tokens.inc(predicted)
         if record.completion_tokens is not None and record.completion_tokens >= 0:
-            self._child(self.completion_tokens, *mb).inc(record.completion_tokens)
-            self._child(self.token_usage, "output", model).observe(record.completion_tokens)
+            s.completion_tokens.inc(record.completion_tokens)
+            s.output_usage.observe(record.completion_tokens)
         if record.slo_met is not None:
-            self._child(self.slo_evaluated, *mb).inc()
+            s.slo_evaluated.inc()
             if record.slo_met:
-                self._child(self.slo_met, *mb).inc()
+                s.slo_met.inc()
         saved_ms = _positive(record.saved_prefill_ms)
         if saved_ms is not None:
-            self._child(self.saved_prefill_seconds, *mb).inc(saved_ms / 1000.0)
+            s.saved_prefill_seconds.inc(saved_ms / 1000.0)
         saved_usd = _positive(record.saved_usd)
         if saved_usd is not None:
-            self._child(self.saved_usd, *mb).inc(saved_usd)
+            s.saved_usd.inc(saved_usd)
         for rule in record.canonical_rules:
             self._child(self.canonical_rules, rule).inc()
-        self._observe_misses(record, mb)
+        if record.miss_new_tokens is not None:
+            self._observe_misses(record, s)
         if record.route_reason is not None and record.backend:
             self.route_decision(record.backend, record.route_reason)
-        self._observe_schedule(record)
-        self._observe_latencies(record, mb)
+        if record.schedule_reason is not None:
+            self._observe_schedule(record)
+        self._observe_latencies(record, s)
         if record.control_group is not None:
             self._observe_group(record, CONTROL if record.control_group else TREATED)
 
@@ -342,18 +416,14 @@ class ProxyMetrics:
         if ttft is not None:
             self._child(self.group_ttft, group).observe(ttft / 1000.0)
 
-    def _observe_misses(self, record: RequestRecord, mb: tuple[str, str]) -> None:
-        if record.miss_new_tokens is None:
-            return
-        for cause, tokens in (
-            ("new", record.miss_new_tokens),
-            ("breaker", record.miss_breaker_tokens),
-            ("routing", record.miss_routing_tokens),
-            ("evicted", record.miss_evicted_tokens),
-            ("unexplained", record.miss_unexplained_tokens),
-        ):
-            # Every cause of an attributed request, zeros included: the series exist at once.
-            self._child(self.uncached_tokens, *mb, cause).inc(max(tokens or 0, 0))
+    def _observe_misses(self, record: RequestRecord, s: _Series) -> None:
+        # Every cause of an attributed request, zeros included: the series exist at once.
+        new, breaker_tokens, routing, evicted, unexplained = s.uncached
+        new.inc(max(record.miss_new_tokens or 0, 0))
+        breaker_tokens.inc(max(record.miss_breaker_tokens or 0, 0))
+        routing.inc(max(record.miss_routing_tokens or 0, 0))
+        evicted.inc(max(record.miss_evicted_tokens or 0, 0))
+        unexplained.inc(max(record.miss_unexplained_tokens or 0, 0))
         breaker = record.miss_breaker_tokens or 0
         for rule in record.miss_breaker_rules or ():
             if breaker > 0 and _REASON_OK.match(rule):
@@ -368,16 +438,16 @@ class ProxyMetrics:
         if held is not None and held > 0 and math.isfinite(held):
             self._child(self.held, record.backend).observe(held / 1000.0)
 
-    def _observe_latencies(self, record: RequestRecord, mb: tuple[str, str]) -> None:
-        for hist, ms in (
-            (self.ttft, record.ttft_ms),
-            (self.ttfvt, record.ttfvt_ms),
-            (self.tpot, record.tpot_ms),
-            (self.duration, record.e2e_ms),
-        ):
-            value = _positive(ms)
-            if value is not None:
-                self._child(hist, *mb).observe(value / 1000.0)
+    def _observe_latencies(self, record: RequestRecord, s: _Series) -> None:
+        ttft, ttfvt, tpot, e2e = record.ttft_ms, record.ttfvt_ms, record.tpot_ms, record.e2e_ms
+        if ttft is not None and ttft >= 0 and math.isfinite(ttft):
+            s.ttft.observe(ttft / 1000.0)
+        if ttfvt is not None and ttfvt >= 0 and math.isfinite(ttfvt):
+            s.ttfvt.observe(ttfvt / 1000.0)
+        if tpot is not None and tpot >= 0 and math.isfinite(tpot):
+            s.tpot.observe(tpot / 1000.0)
+        if e2e is not None and e2e >= 0 and math.isfinite(e2e):
+            s.duration.observe(e2e / 1000.0)
         if record.backend is not None:
             overhead = _positive(record.proxy_overhead_ms)
             if overhead is not None:

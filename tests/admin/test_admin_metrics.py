@@ -204,3 +204,32 @@ async def test_metrics_object_is_on_the_app(llama_fake: LlamaFake, make_proxy: M
     """The registry is reachable from the application for callers that count decisions."""
     _, _, app = await make_proxy(llama_fake.url)
     assert isinstance(app[METRICS], ProxyMetrics)
+
+
+def test_a_series_appears_once_it_has_something_to_count() -> None:
+    """A (model, backend) pair's series exist only for what its records carried: a request
+    without usage adds no token series, an attributed one adds every cause, zeros included."""
+    metrics = ProxyMetrics(state=lambda: None)
+    metrics.observe(_record(status=502))
+    m = parse(_exposition(metrics))
+    assert total(m, "prefixgate_requests_total", status="502") == 1
+    for name in (
+        "prefixgate_prompt_tokens_total",
+        "prefixgate_cached_tokens_total",
+        "prefixgate_saved_usd_total",
+        "prefixgate_uncached_tokens_total",
+        "prefixgate_gen_ai_token_usage_count",
+    ):
+        assert name not in m, name
+    metrics.observe(
+        _record(prompt_tokens=10, cached_tokens=4, miss_new_tokens=6, ttft_ms=5.0, saved_usd=0.5)
+    )
+    m = parse(_exposition(metrics))
+    causes = {lab["cause"]: v for lab, v in m["prefixgate_uncached_tokens_total"]}
+    assert causes == {"new": 6, "breaker": 0, "routing": 0, "evicted": 0, "unexplained": 0}
+    assert total(m, "prefixgate_cached_tokens_total") == 4
+    assert total(m, "prefixgate_saved_usd_total") == 0.5
+    assert total(m, "prefixgate_gen_ai_token_usage_count", token_type="input") == 1
+    assert "prefixgate_gen_ai_token_usage_count" in m
+    assert total(m, "prefixgate_time_to_first_token_seconds_count") == 1
+    assert total(m, "prefixgate_requests_total") == 2
