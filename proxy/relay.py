@@ -324,8 +324,7 @@ def _inspect(
 ) -> bytes:
     """What of ``chunk`` reaches the client, its events observed (``StreamInspector.process``)."""
     out: list[bytes] = []
-    for event in splitter.feed(chunk):
-        inspector.process(event, now, out)
+    inspector.process_all(list(splitter.feed(chunk)), now, out)
     return b"".join(out)
 
 

@@ -192,6 +192,25 @@ class StreamInspector:
         self._release(out)
         out.append(event)
 
+    def process_all(self, events: list[bytes], now: float, out: list[bytes]) -> None:
+        """``process`` each of ``events`` (one read's, in order); a run of plain token events
+        once the first visible token is timed is counted at once, as ``process`` counts each."""
+        obs, route = self.ex.obs, self.ex.route
+        i, n = 0, len(events)
+        while i < n:
+            if obs.t_first_visible is not None and self._held is None:
+                j = i
+                while j < n and plain_token_event(events[j], route):
+                    j += 1
+                if j > i:
+                    obs.t_last_token = now
+                    obs.token_events += j - i
+                    out += events[i:j]
+                    i = j
+                    continue
+            self.process(events[i], now, out)
+            i += 1
+
     def plain_chunk(self, chunk: bytes, now: float) -> bool:
         """Whether ``chunk`` (a whole upstream read) is one plain token event, or several
         (``plain_token_run``); counted if so.

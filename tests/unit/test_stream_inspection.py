@@ -175,8 +175,7 @@ def relay_chunks(
             inspector.read_unchanged(chunk, events, now)
             assert ex.obs == twin.ex.obs  # and observed the same as reading each event
             continue
-        for event in splitter.feed(chunk):
-            inspector.process(event, now, out)
+        inspector.process_all(list(splitter.feed(chunk)), now, out)
     inspector.finish(out)
     rest = splitter.flush()
     if rest:
