@@ -35,6 +35,8 @@ from proxy.store.window import (
 from proxy.store.window_query import WindowQuery
 
 _BucketKey = tuple[str, int, int]  # (namespace, resolution_s, index)
+_FIELD_KEY_PAIRS = 1024
+"""(model, backend) pairs whose bucket keys are kept made (model names are the clients')."""
 
 
 class _ReplicaIndex:
@@ -66,6 +68,8 @@ class EmbeddedStore:
         self._clock = clock
         self._indexes: dict[tuple[str, str], _ReplicaIndex] = {}
         self._buckets: dict[_BucketKey, dict[str, float]] = {}
+        self._field_keys: dict[tuple[str, str], dict[str, str]] = {}
+        """Each (model, backend)'s bucket keys by counter name (``bucket_field``), made once."""
         self._anchors: dict[tuple[str, int], dict[str, _Anchor]] = {}
         self._traffic: dict[str, TrafficWindow] = {}
         self._in_flight: dict[str, int] = {}  # per replica, across namespaces
@@ -189,14 +193,28 @@ class EmbeddedStore:
         if (hour + 1) * HOUR_S + retention <= now:
             return  # older than anything kept
         inc = sample_increments(sample)
-        head = bucket_field(sample.model, sample.backend, "")  # every key: this, then the name
-        keyed = [(head + name, value) for name, value in inc.items()]
-        for res, idx in ((MINUTE_S, minute), (HOUR_S, hour)):
-            if (idx + 1) * res + retention <= now:
-                continue
-            bucket = self._buckets.setdefault((sample.namespace, res, idx), {})
-            for key, value in keyed:
-                bucket[key] = bucket.get(key, 0.0) + value
+        pair = (sample.model, sample.backend)
+        keys = self._field_keys.get(pair)
+        if keys is None:
+            if len(self._field_keys) >= _FIELD_KEY_PAIRS:
+                self._field_keys.clear()
+            keys = self._field_keys[pair] = {}
+        buckets = self._buckets
+        hourly = buckets.setdefault((sample.namespace, HOUR_S, hour), {})
+        if (minute + 1) * MINUTE_S + retention > now:
+            minutely = buckets.setdefault((sample.namespace, MINUTE_S, minute), {})
+            for name, value in inc.items():
+                key = keys.get(name)
+                if key is None:
+                    key = keys[name] = bucket_field(sample.model, sample.backend, name)
+                minutely[key] = minutely.get(key, 0.0) + value
+                hourly[key] = hourly.get(key, 0.0) + value
+        else:  # its minute has expired already, its hour not
+            for name, value in inc.items():
+                key = keys.get(name)
+                if key is None:
+                    key = keys[name] = bucket_field(sample.model, sample.backend, name)
+                hourly[key] = hourly.get(key, 0.0) + value
         self._add_anchor(sample, hour)
         self._sweep(now)
 

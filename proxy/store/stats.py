@@ -226,10 +226,22 @@ def sample_increments(sample: StatsSample) -> dict[str, float]:
     for metric, value in sample.latencies().items():
         if value is None or not math.isfinite(value) or value < 0:
             continue
-        inc[f"{metric}:n"] = 1.0
-        inc[f"{metric}:sum"] = value
-        inc[f"{metric}:h{latency_bucket(value)}"] = 1.0
+        n_key, sum_key, bucket_keys = _LATENCY_KEYS[metric]
+        inc[n_key] = 1.0
+        inc[sum_key] = value
+        inc[bucket_keys[latency_bucket(value)]] = 1.0
     return {k: v for k, v in inc.items() if v != 0.0 or k == "requests"}
+
+
+_LATENCY_KEYS = {
+    metric: (
+        f"{metric}:n",
+        f"{metric}:sum",
+        tuple(f"{metric}:h{i}" for i in range(len(LATENCY_BOUNDS_MS) + 1)),
+    )
+    for metric in ("ttft", "ttfvt", "tpot", "e2e")
+}
+"""Each latency's counter names: its count, its sum, its histogram buckets (``latency_bucket``)."""
 
 
 def _ratio(num: float, den: float) -> float | None:
