@@ -265,14 +265,14 @@ async def _relay_stream(
     try:
         async for chunk in upstream.content.iter_any():
             now = monotonic()
-            read_after = 0
+            forwarded_events = 0
             if not splitter.pending and inspector.plain_chunk(chunk, now):
                 data = chunk  # the usual read once the answer is under way: one token event
             elif obs.t_first_visible is None and not splitter.pending:
                 # Token events before the first visible one is timed: forwarded as they are
                 # whatever they hold, so they go out first and are read after.
-                read_after = inspector.unchanged(chunk)
-                data = chunk if read_after else _inspect(splitter, inspector, chunk, now)
+                forwarded_events = inspector.unchanged(chunk)
+                data = chunk if forwarded_events else _inspect(splitter, inspector, chunk, now)
             else:
                 data = _inspect(splitter, inspector, chunk, now)
             obs.inspect_s += monotonic() - now
@@ -281,9 +281,9 @@ async def _relay_stream(
                     _client_gone(ex, upstream)
                     return resp
                 body_started = True
-            if read_after:
+            if forwarded_events:
                 t0 = monotonic()
-                inspector.read_unchanged(chunk, read_after, now)
+                inspector.read_unchanged(chunk, forwarded_events, now)
                 obs.inspect_s += monotonic() - t0
     except TimeoutError:
         failure = BackendTimeout("backend stopped sending mid-stream")

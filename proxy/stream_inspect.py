@@ -248,9 +248,6 @@ class StreamInspector:
         (``unchanged``). They are read one by one until the first visible token is timed; the
         rest are only counted, as ``process`` would count them."""
         obs = self.ex.obs
-        if events == 1:
-            self.process(chunk, now, [])
-            return
         parts = chunk.split(b"\n\n")  # no "\r": exactly the splitter's cuts (plain_token_run)
         seen: list[bytes] = []
         for i in range(events):

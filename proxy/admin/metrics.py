@@ -42,7 +42,7 @@ from proxy.admin.series import LoopCounter, LoopHistogram
 from proxy.control import CONTROL, TREATED
 from proxy.records import RequestRecord
 from proxy.state import ProxyState
-from proxy.store.stats import UNKNOWN
+from proxy.store.stats import MISS_CAUSES, UNKNOWN
 
 OTHER = "other"
 DEFAULT_MAX_MODELS = 100
@@ -127,7 +127,6 @@ class _LiveCollector(Collector):
         yield from (degraded, failures, in_flight, healthy)
 
 
-MISS_CAUSES = ("new", "breaker", "routing", "evicted", "unexplained")
 _BY_MODEL_BACKEND = frozenset(
     {
         "prompt_tokens",
@@ -439,15 +438,14 @@ class ProxyMetrics:
             self._child(self.held, record.backend).observe(held / 1000.0)
 
     def _observe_latencies(self, record: RequestRecord, s: _Series) -> None:
-        ttft, ttfvt, tpot, e2e = record.ttft_ms, record.ttfvt_ms, record.tpot_ms, record.e2e_ms
-        if ttft is not None and ttft >= 0 and math.isfinite(ttft):
-            s.ttft.observe(ttft / 1000.0)
-        if ttfvt is not None and ttfvt >= 0 and math.isfinite(ttfvt):
-            s.ttfvt.observe(ttfvt / 1000.0)
-        if tpot is not None and tpot >= 0 and math.isfinite(tpot):
-            s.tpot.observe(tpot / 1000.0)
-        if e2e is not None and e2e >= 0 and math.isfinite(e2e):
-            s.duration.observe(e2e / 1000.0)
+        for name, ms in (
+            ("ttft", record.ttft_ms),
+            ("ttfvt", record.ttfvt_ms),
+            ("tpot", record.tpot_ms),
+            ("duration", record.e2e_ms),
+        ):
+            if ms is not None and ms >= 0 and math.isfinite(ms):  # ``_positive``
+                getattr(s, name).observe(ms / 1000.0)
         if record.backend is not None:
             overhead = _positive(record.proxy_overhead_ms)
             if overhead is not None:

@@ -203,18 +203,14 @@ class EmbeddedStore:
         hourly = buckets.setdefault((sample.namespace, HOUR_S, hour), {})
         if (minute + 1) * MINUTE_S + retention > now:
             minutely = buckets.setdefault((sample.namespace, MINUTE_S, minute), {})
-            for name, value in inc.items():
-                key = keys.get(name)
-                if key is None:
-                    key = keys[name] = bucket_field(sample.model, sample.backend, name)
-                minutely[key] = minutely.get(key, 0.0) + value
-                hourly[key] = hourly.get(key, 0.0) + value
-        else:  # its minute has expired already, its hour not
-            for name, value in inc.items():
-                key = keys.get(name)
-                if key is None:
-                    key = keys[name] = bucket_field(sample.model, sample.backend, name)
-                hourly[key] = hourly.get(key, 0.0) + value
+        else:
+            minutely = {}  # its minute has expired already, its hour not: counted nowhere
+        for name, value in inc.items():
+            key = keys.get(name)
+            if key is None:
+                key = keys[name] = bucket_field(sample.model, sample.backend, name)
+            minutely[key] = minutely.get(key, 0.0) + value
+            hourly[key] = hourly.get(key, 0.0) + value
         self._add_anchor(sample, hour)
         self._sweep(now)
 
