@@ -38,13 +38,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from proxy.admin.labels import LabelCap, Series
 from proxy.admin.series import LoopCounter, LoopHistogram
 from proxy.control import CONTROL, TREATED
 from proxy.records import RequestRecord
 from proxy.state import ProxyState
-from proxy.store.stats import MISS_CAUSES, UNKNOWN
+from proxy.store.stats import UNKNOWN
 
-OTHER = "other"
 DEFAULT_MAX_MODELS = 100
 _REASON_OK = re.compile(r"^[a-z_]{1,32}$")
 
@@ -67,23 +67,6 @@ OVERHEAD_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025
 TOKEN_BUCKETS = tuple(float(4**i) for i in range(14))  # 1, 4, 16, … 67,108,864
 
 MODEL_BACKEND = ("model", "backend")
-
-
-class LabelCap:
-    """Keeps the first ``limit`` distinct values of a label; later ones become ``other``."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._seen: set[str] = set()
-
-    def __call__(self, value: str | None) -> str:
-        label = value or UNKNOWN
-        if label in self._seen:
-            return label
-        if len(self._seen) < self._limit:
-            self._seen.add(label)
-            return label
-        return OTHER
 
 
 def _positive(value: float | None) -> float | None:
@@ -127,65 +110,6 @@ class _LiveCollector(Collector):
         yield from (degraded, failures, in_flight, healthy)
 
 
-_BY_MODEL_BACKEND = frozenset(
-    {
-        "prompt_tokens",
-        "cached_tokens",
-        "cached_reported_prompt_tokens",
-        "predicted_cached_tokens",
-        "completion_tokens",
-        "slo_met",
-        "slo_evaluated",
-        "saved_prefill_seconds",
-        "saved_usd",
-        "ttft",
-        "ttfvt",
-        "tpot",
-        "duration",
-    }
-)
-"""``ProxyMetrics``' metrics labelled (model, backend) alone: ``_Series`` holds their children."""
-
-
-class _Series:
-    """One (model, backend)'s children of the metrics a record updates, each made the first
-    time it is used (a series appears once it has something to count, as with ``labels``):
-    a record then reaches them by attribute, with no label tuple built or looked up."""
-
-    __slots__ = (
-        "_metrics",
-        "backend",
-        "input_usage",
-        "model",
-        "output_usage",
-        "status",
-        "uncached",
-        *sorted(_BY_MODEL_BACKEND),
-    )
-
-    def __init__(self, metrics: ProxyMetrics, model: str, backend: str) -> None:
-        self._metrics = metrics
-        self.model = model
-        self.backend = backend
-        self.status: dict[int, Any] = {}
-
-    def __getattr__(self, name: str) -> Any:  # an unset slot: its child, made now
-        m = self._metrics
-        child: Any
-        if name in _BY_MODEL_BACKEND:
-            child = getattr(m, name).labels(self.model, self.backend)
-        elif name == "input_usage" or name == "output_usage":
-            child = m.token_usage.labels(name.removesuffix("_usage"), self.model)
-        elif name == "uncached":
-            child = tuple(
-                m.uncached_tokens.labels(self.model, self.backend, cause) for cause in MISS_CAUSES
-            )
-        else:
-            raise AttributeError(name)
-        setattr(self, name, child)
-        return child
-
-
 class ProxyMetrics:
     """The registry of one proxy application and the record sink that feeds it."""
 
@@ -198,7 +122,7 @@ class ProxyMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self._model = LabelCap(max_models)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self._by_backend: dict[tuple[str, str], _Series] = {}
+        self._by_backend: dict[tuple[str, str], Series] = {}
         reg = self.registry
 
         # Updated from the event loop only: values kept without locks (``proxy.admin.series``).
@@ -349,11 +273,11 @@ class ProxyMetrics:
         if _REASON_OK.match(reason):
             self._child(self.route_decisions, backend, reason).inc()
 
-    def _series(self, model: str, backend: str) -> _Series:
+    def _series(self, model: str, backend: str) -> Series:
         key = (model, backend)
         series = self._by_backend.get(key)
         if series is None:
-            series = self._by_backend[key] = _Series(self, model, backend)
+            series = self._by_backend[key] = Series(self, model, backend)
         return series
 
     def observe(self, record: RequestRecord) -> None:
@@ -415,7 +339,7 @@ class ProxyMetrics:
         if ttft is not None:
             self._child(self.group_ttft, group).observe(ttft / 1000.0)
 
-    def _observe_misses(self, record: RequestRecord, s: _Series) -> None:
+    def _observe_misses(self, record: RequestRecord, s: Series) -> None:
         # Every cause of an attributed request, zeros included: the series exist at once.
         new, breaker_tokens, routing, evicted, unexplained = s.uncached
         new.inc(max(record.miss_new_tokens or 0, 0))
@@ -437,7 +361,7 @@ class ProxyMetrics:
         if held is not None and held > 0 and math.isfinite(held):
             self._child(self.held, record.backend).observe(held / 1000.0)
 
-    def _observe_latencies(self, record: RequestRecord, s: _Series) -> None:
+    def _observe_latencies(self, record: RequestRecord, s: Series) -> None:
         for name, ms in (
             ("ttft", record.ttft_ms),
             ("ttfvt", record.ttfvt_ms),

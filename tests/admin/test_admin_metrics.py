@@ -10,7 +10,8 @@ from fakes import LlamaFake, MakeProxy
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.admin import METRICS
-from proxy.admin.metrics import OTHER, ProxyMetrics
+from proxy.admin.labels import OTHER
+from proxy.admin.metrics import ProxyMetrics
 from proxy.records import RequestRecord
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
