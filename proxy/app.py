@@ -145,7 +145,7 @@ def build_app(
             options=StoreOptions(
                 stats_retention_s=settings.stats_retention_s,
                 traffic_window_s=settings.traffic_window_s,
-                timeouts=StoreTimeouts(lookup_s=t.store),
+                timeouts=StoreTimeouts.for_lookup(t.store),
             ),
         )
         tracer = RecordTracer.from_env()

@@ -90,7 +90,8 @@ class Timeouts:
     )
     store: float = option(
         _STORE.timeouts.lookup_s,
-        "seconds the request path waits for the shared store before serving without it",
+        "seconds the request path waits for the shared store before serving without it "
+        "(its background writes get ten times as long)",
         cast=float,
         metavar="S",
     )

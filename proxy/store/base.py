@@ -59,6 +59,18 @@ class StoreTimeouts:
     connect_s: float = 0.25
     breaker_s: float = 1.0
 
+    @classmethod
+    def for_lookup(cls, lookup_s: float) -> StoreTimeouts:
+        """The defaults around a chosen lookup deadline: the background writes get ten times as
+        long (as by default), never less than their default.
+
+        A write batch does more than a lookup, and a write that times out opens the breaker for
+        the lookups too: a deadline chosen for a busy machine must not be undone by writes held
+        to the default one.
+        """
+        default = cls()
+        return cls(lookup_s=lookup_s, write_s=max(default.write_s, 10.0 * lookup_s))
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreOptions:

@@ -245,6 +245,11 @@ class RedisStore:
         return self._client
 
     @property
+    def options(self) -> StoreOptions:
+        """The sizing, retention and deadlines the store was opened with."""
+        return self._opts
+
+    @property
     def cluster(self) -> bool:
         """Whether the store talks to a Redis Cluster."""
         return self._layout is not None

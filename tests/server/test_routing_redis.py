@@ -14,6 +14,7 @@ from proxy.backends import CHAT
 from proxy.config import Timeouts
 from proxy.routing import Decision
 from proxy.state import STATE
+from proxy.store.redis_store import RedisStore
 from tests.store.redis_process import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -88,6 +89,20 @@ async def test_conversation_alternating_proxies_stays_on_one_replica(
         assert len({b for b, _ in got}) == 1
         assert [reason for _, reason in got] == ["miss", "affinity", "affinity"]
     assert {got[0][0] for got in backends.values()} == {f.url for f in fakes}
+
+
+async def test_a_chosen_store_deadline_also_bounds_the_background_writes(
+    aiohttp_server: Any, make_proxy: MakeProxy, redis_server: RedisServer
+) -> None:
+    """A write batch timing out at the default 50 ms (a busy machine, not a failing Redis)
+    would open the breaker and skip a second of lookups: with ``--store-timeout 0.5`` the
+    writes get ten times that."""
+    fake = await serve(LlamaFake(), aiohttp_server)
+    (_, _, app), _ = await two_proxies(make_proxy, redis_server.url, fake, fake)
+    store = app[STATE].store
+    assert isinstance(store, RedisStore)
+    assert store.options.timeouts.lookup_s == 0.5
+    assert store.options.timeouts.write_s == pytest.approx(5.0)
 
 
 async def test_same_request_same_decision_with_shared_loads(

@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 
 from proxy.records import RequestRecord
 from proxy.store import LATENCY_BOUNDS_MS, StatsSample, Tally, leading_run
+from proxy.store.base import StoreTimeouts
 from proxy.store.health import StoreHealth
 from proxy.store.redis_scripts import ALL_SCRIPTS, pack_chain
 from proxy.store.redis_store import namespace_key, replica_id
@@ -239,3 +240,13 @@ def test_a_cancelled_probe_lets_the_next_call_probe() -> None:
     assert not health.allow()
     health.abandoned()
     assert health.allow()
+
+
+def test_a_chosen_lookup_deadline_scales_the_write_deadline_never_below_its_default() -> None:
+    """A write timing out opens the breaker for the lookups too: writes get ten times the
+    lookup's deadline (the defaults' ratio), and never less than their default."""
+    default = StoreTimeouts()
+    assert StoreTimeouts.for_lookup(default.lookup_s) == default
+    assert StoreTimeouts.for_lookup(0.5).write_s == pytest.approx(5.0)
+    assert StoreTimeouts.for_lookup(0.0005).write_s == default.write_s
+    assert StoreTimeouts.for_lookup(0.5).breaker_s == default.breaker_s
