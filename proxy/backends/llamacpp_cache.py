@@ -307,20 +307,22 @@ def restorable(
     *,
     rules: ServerRules,
     saved_now: bool = False,
+    shared: float | None = None,
 ) -> bool:
     """Whether ``evicted``'s next turn can come back from the RAM cache once ``replacing`` has
     taken its slot: it must be in the cache (or be saved by this launch: ``saved_now``), and the
     server must look there: always on the LRU path (similarity 0), else only when the slot
     holding ``replacing`` would keep less than half its tokens or fall below the similarity
-    threshold (rule 4)."""
+    threshold (rule 4). ``shared``: ``counter.cached(replacing, probe_of(evicted))``, when the
+    caller has it already."""
     if not rules.cache_ram or not (saved_now or ram.holds(evicted)):
         return False
     if rules.similarity == 0.0:
         return True
-    probe = probe_of(evicted)
-    shared = counter.cached(replacing, probe)
+    if shared is None:
+        shared = counter.cached(replacing, probe_of(evicted))
     return shared / max(replacing.tokens, 1.0) < SAVE_F_KEEP or (
-        shared / probe.prompt_tokens <= rules.similarity
+        shared / max(evicted.tokens, 1.0) <= rules.similarity
     )
 
 

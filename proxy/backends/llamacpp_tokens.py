@@ -34,28 +34,71 @@ _END_LEN = len(SEGMENT_END)
 MAX_CLOSING = 16.0  # tokens: a chat template's close of turn and generation prompt, at most
 
 
-@dataclass(slots=True, eq=False)
 class CachedPrompt:
-    """One prompt state the server holds, in a slot or in its RAM cache."""
+    """One prompt state the server holds, in a slot or in its RAM cache.
 
-    hashes: tuple[int, ...]
-    prompt_tokens: float
-    """The prompt's tokens: estimated from its bytes, then the backend's ``prompt_tokens``."""
-    fp: Fingerprint | None = None
-    generated: float = 0.0
-    """Tokens generated after the prompt (the backend's ``completion_tokens``) that the KV keeps."""
-    measured: bool = False
-    t_used: float = 0.0
-    gap_s: float | None = None
-    """Seconds between the state this one continued and this one's request (a conversation's
-    pace); None when it continued nothing seen."""
-    continued: bool = False
-    """A later request continued it (it is a turn of a conversation)."""
+    Compared by identity, as the model's memos and the RAM cache's scans need. ``tokens`` is
+    kept as a plain attribute, recomputed whenever ``prompt_tokens`` or ``generated`` is set:
+    the RAM cache sums it over every entry at each save, and the model reads it in every match.
+    """
+
+    __slots__ = (
+        "_generated",
+        "_prompt_tokens",
+        "continued",
+        "fp",
+        "gap_s",
+        "hashes",
+        "measured",
+        "t_used",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        hashes: tuple[int, ...],
+        prompt_tokens: float,
+        fp: Fingerprint | None = None,
+        generated: float = 0.0,
+        measured: bool = False,
+        t_used: float = 0.0,
+        gap_s: float | None = None,
+        continued: bool = False,
+    ) -> None:
+        self.hashes = hashes
+        self._prompt_tokens = prompt_tokens
+        self.fp = fp
+        self._generated = generated
+        self.tokens: float = prompt_tokens + max(generated - 1.0, 0.0)
+        """What the KV holds: the prompt and the generated tokens but the last sampled one."""
+        self.measured = measured
+        self.t_used = t_used
+        self.gap_s: float | None = gap_s
+        """Seconds between the state this one continued and this one's request (a
+        conversation's pace); None when it continued nothing seen."""
+        self.continued = continued
+        """A later request continued it (it is a turn of a conversation)."""
 
     @property
-    def tokens(self) -> float:
-        """What the KV holds: the prompt and the generated tokens but the last sampled one."""
-        return self.prompt_tokens + max(self.generated - 1.0, 0.0)
+    def prompt_tokens(self) -> float:
+        """The prompt's tokens: estimated from its bytes, then the backend's ``prompt_tokens``."""
+        return self._prompt_tokens
+
+    @prompt_tokens.setter
+    def prompt_tokens(self, value: float) -> None:
+        self._prompt_tokens = value
+        self.tokens = value + max(self._generated - 1.0, 0.0)
+
+    @property
+    def generated(self) -> float:
+        """Tokens generated after the prompt (the backend's ``completion_tokens``) that the KV
+        keeps."""
+        return self._generated
+
+    @generated.setter
+    def generated(self, value: float) -> None:
+        self._generated = value
+        self.tokens = self._prompt_tokens + max(value - 1.0, 0.0)
 
     def measure(self, prompt_tokens: int | None, completion_tokens: int | None) -> None:
         """The backend's figures for the request that left this state."""
@@ -64,6 +107,12 @@ class CachedPrompt:
             self.measured = True
         if completion_tokens is not None:
             self.generated = float(completion_tokens)
+
+    def __repr__(self) -> str:
+        return (
+            f"CachedPrompt(blocks={len(self.hashes)}, prompt_tokens={self._prompt_tokens}, "
+            f"generated={self._generated}, measured={self.measured}, t_used={self.t_used})"
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -289,9 +289,12 @@ class RecentPrompts:
                 continue
             bucket = index.get(key)
             if bucket is not None:
-                bucket[:] = [item for item in bucket if item[0] != seq]
-                if not bucket:
+                if len(bucket) == 1 and bucket[0][0] == seq:  # the usual: a key of its own
                     del index[key]
+                else:
+                    bucket[:] = [item for item in bucket if item[0] != seq]
+                    if not bucket:
+                        del index[key]
             lengths[key[0]] -= 1
             if lengths[key[0]] <= 0:
                 del lengths[key[0]]

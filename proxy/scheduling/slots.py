@@ -401,7 +401,13 @@ class SlotTable:
         if lost <= 0.0:
             return 0.0
         if restorable(
-            held, incoming, self.ram, self.counter, rules=self.rules, saved_now=outcome.update
+            held,
+            incoming,
+            self.ram,
+            self.counter,
+            rules=self.rules,
+            saved_now=outcome.update,
+            shared=kept,
         ):
             return 0.0
         if self.rules.similarity != 0.0 and self.live_conversations(now) > len(self.slots):

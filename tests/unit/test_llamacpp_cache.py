@@ -18,6 +18,7 @@ from proxy.backends.llamacpp_cache import (
     contains,
     launch,
     pick,
+    probe_of,
     restorable,
 )
 from proxy.backends.llamacpp_tokens import CachedPrompt, PromptQuery, TokenCounter
@@ -150,6 +151,42 @@ def test_a_full_slot_stays_restorable_with_similarity_off_only() -> None:
     assert not restorable(conv, other, ram, counter, rules=off)  # never saved: lost
     ram.save(conv)
     assert restorable(conv, other, ram, counter, rules=off)
+
+
+@given(
+    prompt=st.floats(min_value=1.0, max_value=1e6),
+    generated=st.floats(min_value=0.0, max_value=1e4),
+    measured=st.tuples(st.integers(0, 10**6), st.none() | st.integers(0, 10**4)),
+)
+def test_a_states_tokens_follow_its_prompt_and_answer(
+    prompt: float, generated: float, measured: tuple[int, int | None]
+) -> None:
+    """``tokens`` (a plain attribute the RAM cache sums) is the prompt plus the generated
+    tokens but the last, at construction and after every ``measure``."""
+    held = CachedPrompt(hashes=(1,), prompt_tokens=prompt, generated=generated)
+    assert held.tokens == prompt + max(generated - 1.0, 0.0)
+    held.measure(*measured)
+    assert held.tokens == held.prompt_tokens + max(held.generated - 1.0, 0.0)
+    held.generated = 3.0
+    assert held.tokens == held.prompt_tokens + 2.0
+
+
+def test_restorable_takes_the_shared_tokens_the_caller_counted() -> None:
+    """Handed the evicted state's match in the replacing one (``SlotTable.eviction_s`` has it),
+    ``restorable`` answers as it does counting it itself."""
+    counter = TokenCounter()
+    rules = ServerRules()
+    ram = RamCache(rules)
+    for conv, other in (
+        (state(chain(1, 8, tail=7, tail_blocks=2)), state(chain(1, 8, tail=8, tail_blocks=2))),
+        (state(chain(1, 2, tail=7, tail_blocks=8)), state(chain(1, 2, tail=8, tail_blocks=8))),
+        (state(chain(1, 8)), state(chain(2, 8))),
+    ):
+        ram.save(conv)
+        kept = counter.cached(other, probe_of(conv))
+        assert restorable(conv, other, ram, counter, rules=rules, shared=kept) == restorable(
+            conv, other, ram, counter, rules=rules
+        )
 
 
 def test_next_turn_shares_the_measured_prompt_and_the_repeated_answer() -> None:
