@@ -64,6 +64,13 @@ REASONS = (SINGLE, AFFINITY, KEY_AFFINITY, MISS, LOAD_GATE, ROUND_ROBIN_REASON, 
 
 TRAFFIC_MAX_BLOCKS = 64
 """Leading blocks of a request counted for the traffic-shared depth (``K``)."""
+TRAFFIC_MAX_HASHES = 262_144
+"""Distinct block hashes one traffic bucket counts (per namespace, in either store). Traffic of
+distinct prompts adds a hash per block: at 1,000 requests/s of 8 KB prompts about 32,000 a
+second, which over a 120 s bucket would be millions. Once a bucket holds this many, a request
+still counts in it, and so do the hashes of it the bucket holds already (the shared prefixes,
+counted exactly as before); hashes new to the bucket are not added until the next one. A shared
+prefix that first appears in a full bucket is seen from the next bucket on."""
 
 _SEED_MASK = (1 << 64) - 1
 _HASH_SPAN2 = 1 << 65  # twice the hash range: 1 - u = (2**64 - h - 1/2) / 2**64, in integers
@@ -329,12 +336,13 @@ class TrafficWindow:
     is the caller's (wall time, or the trace's time).
     """
 
-    __slots__ = ("_bucket_s", "_current", "_index", "_previous")
+    __slots__ = ("_bucket_s", "_current", "_index", "_max_hashes", "_previous")
 
-    def __init__(self, *, bucket_s: float = 120.0) -> None:
+    def __init__(self, *, bucket_s: float = 120.0, max_hashes: int = TRAFFIC_MAX_HASHES) -> None:
         if not bucket_s > 0:
             raise ValueError("bucket_s must be positive")
         self._bucket_s = bucket_s
+        self._max_hashes = max_hashes
         self._index: int | None = None
         self._current = _Bucket()
         self._previous = _Bucket()
@@ -349,11 +357,24 @@ class TrafficWindow:
         self._index = index
 
     def observe(self, hashes: Sequence[int], now: float) -> None:
-        """Count one request carrying the leading ``hashes`` (at most ``TRAFFIC_MAX_BLOCKS``)."""
+        """Count one request carrying the leading ``hashes`` (at most ``TRAFFIC_MAX_BLOCKS``).
+
+        A bucket holding ``max_hashes`` distinct hashes (``TRAFFIC_MAX_HASHES``) counts only
+        those it holds: the leading run of the chain it knows (a bucket's hashes are whole
+        leading runs of the chains it counted, so past the first it lacks it holds none)."""
         self._roll(now)
         cur = self._current
         cur.requests += 1
-        cur.counts.update(hashes[:TRAFFIC_MAX_BLOCKS])  # +1 each (a Counter's loop runs in C)
+        head = hashes[:TRAFFIC_MAX_BLOCKS]
+        counts = cur.counts
+        if len(counts) + len(head) <= self._max_hashes:
+            counts.update(head)  # +1 each (a Counter's loop runs in C)
+            return
+        for h in head:
+            n = counts.get(h)
+            if n is None:
+                return
+            counts[h] = n + 1
 
     def counts(self, hashes: Sequence[int], now: float) -> tuple[int, list[int]]:
         """``(window_requests, count per hash)`` for the leading ``hashes`` (a block chain).

@@ -35,6 +35,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from proxy.routing import TRAFFIC_MAX_HASHES
+
 if TYPE_CHECKING:
     from proxy.store.ranking import PrefixStat
     from proxy.store.stats import StatsSample
@@ -94,6 +96,9 @@ class StoreOptions:
     traffic_window_s: float = 120.0
     """Bucket length of the traffic counts; a read sums the current and the previous bucket,
     so the window covers between one and two bucket lengths."""
+    traffic_max_hashes: int = TRAFFIC_MAX_HASHES
+    """Distinct block hashes one traffic bucket counts per namespace; past it, only the hashes
+    it holds (``proxy.routing.TRAFFIC_MAX_HASHES``)."""
     in_flight_ttl_s: float = 300.0
     """A proxy's in-flight counts stop counting this long after its last write (a crashed proxy's
     load decays instead of sticking)."""

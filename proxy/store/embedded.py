@@ -159,7 +159,9 @@ class EmbeddedStore:
     def _window(self, namespace: str) -> TrafficWindow:
         window = self._traffic.get(namespace)
         if window is None:
-            window = self._traffic[namespace] = TrafficWindow(bucket_s=self._opts.traffic_window_s)
+            window = self._traffic[namespace] = TrafficWindow(
+                bucket_s=self._opts.traffic_window_s, max_hashes=self._opts.traffic_max_hashes
+            )
         return window
 
     async def traffic_counts(self, namespace: str, hashes: Sequence[int]) -> tuple[int, list[int]]:

@@ -204,12 +204,24 @@ return table.concat(loads, ',')
 OBSERVE = LuaScript(
     "observe",
     """
--- KEYS[1] the current traffic bucket; ARGV[1] the leading chain, ARGV[2] expire-at (s).
--- Counts one request ('n') and each hash it carries.
+-- KEYS[1] the current traffic bucket; ARGV[1] the leading chain, ARGV[2] expire-at (s),
+-- ARGV[3] the most hashes a bucket counts. Counts one request ('n') and each hash it carries;
+-- a full bucket counts only the hashes it holds (the leading run it knows: TRAFFIC_MAX_HASHES).
 local chain = ARGV[1]
+local n = #chain / 8
 redis.call('HINCRBY', KEYS[1], 'n', 1)
-for i = 1, #chain / 8 do
-  redis.call('HINCRBY', KEYS[1], string.sub(chain, i * 8 - 7, i * 8), 1)
+if redis.call('HLEN', KEYS[1]) - 1 + n <= tonumber(ARGV[3]) then
+  for i = 1, n do
+    redis.call('HINCRBY', KEYS[1], string.sub(chain, i * 8 - 7, i * 8), 1)
+  end
+else
+  for i = 1, n do
+    local field = string.sub(chain, i * 8 - 7, i * 8)
+    if redis.call('HEXISTS', KEYS[1], field) == 0 then
+      break
+    end
+    redis.call('HINCRBY', KEYS[1], field, 1)
+  end
 end
 redis.call('EXPIREAT', KEYS[1], ARGV[2])
 return 1

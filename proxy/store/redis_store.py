@@ -554,7 +554,8 @@ class RedisStore:
         bucket = self._traffic_bucket()
         expire_at = math.ceil((bucket + 2) * self._opts.traffic_window_s)
         keys = (self.traffic_key(namespace, bucket),)
-        return OBSERVE, keys, (pack_chain(hashes[:TRAFFIC_MAX_BLOCKS]), expire_at)
+        chain = pack_chain(hashes[:TRAFFIC_MAX_BLOCKS])
+        return OBSERVE, keys, (chain, expire_at, self._opts.traffic_max_hashes)
 
     async def add_in_flight(self, namespace: str, replica: str, delta: int) -> None:
         """Adjust this proxy's count and write it, absolute, under this proxy's id.

@@ -100,6 +100,22 @@ async def test_traffic_window_forgets(make_store: StoreFactory) -> None:
     assert await store.traffic_counts("default", p) == (0, [0, 0])
 
 
+async def test_a_full_traffic_bucket_counts_only_the_hashes_it_holds(
+    make_store: StoreFactory,
+) -> None:
+    """Past ``traffic_max_hashes`` a bucket still counts each request and the hashes it holds
+    (the shared prefix, exactly), and adds no new one: its size stays bounded."""
+    store = make_store(traffic_max_hashes=6)
+    system = chain("sys", 2)
+    a, b = chain("a", 2, head=system), chain("b", 2, head=system)
+    await store.observe_traffic("default", a)  # 4 hashes
+    await store.observe_traffic("default", b)  # 4 more would pass 6: only the held ones count
+    await store.observe_traffic("default", b)
+    assert await store.traffic_counts("default", a) == (3, [3, 3, 1, 1])
+    assert await store.traffic_counts("default", b) == (3, [3, 3, 0, 0])
+    assert await store.traffic_counts("default", system) == (3, [3, 3])
+
+
 async def test_in_flight_loads_go_up_and_down_and_never_below_zero(store: PrefixStore) -> None:
     """+1 and -1 pairs cancel out; an unmatched -1 leaves zero, not a negative load."""
     for _ in range(3):

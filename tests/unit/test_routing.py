@@ -280,6 +280,41 @@ def test_traffic_window_rolls_over_two_buckets() -> None:
     assert window.counts([1, 2, 5], now=500.0) == (0, [0, 0, 0])  # a long pause clears all
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(0, 5), st.integers(1, 12), st.integers(0, 5)), max_size=40
+    ),
+    cap=st.integers(1, 40),
+)
+def test_a_bounded_traffic_bucket_never_outgrows_its_bound_nor_overcounts(
+    requests: list[tuple[int, int, int]], cap: int
+) -> None:
+    """Whatever the traffic, a bucket holds at most ``max_hashes`` hashes; every count it gives
+    is at most the true count, and the counts of the hashes it held from its start (its first
+    request's, when they fit) are exact."""
+    from collections import Counter
+
+    def chain(f: int, shared: int, n: int) -> list[int]:
+        # chained: a hash names its whole prefix (a shared head, then the family's own blocks)
+        return [hash(("s", i)) if i < shared else hash((f, shared, i)) for i in range(n)]
+
+    window = TrafficWindow(bucket_s=1e9, max_hashes=cap)
+    truth: Counter[int] = Counter()
+    for f, n, shared in requests:
+        hashes = chain(f, shared, n)
+        window.observe(hashes, now=0.0)
+        truth.update(hashes)
+        assert len(window._current.counts) <= cap
+    for f, n, shared in requests:
+        hashes = chain(f, shared, n)
+        _, counts = window.counts(hashes, now=0.0)
+        assert all(c <= truth[h] for c, h in zip(counts, hashes, strict=True))
+    if requests and requests[0][1] <= cap:  # the first request's hashes: held from the start
+        first = chain(requests[0][0], requests[0][2], requests[0][1])
+        assert window.counts(first, now=0.0)[1] == [truth[h] for h in first]
+
+
 def test_traffic_window_counts_only_the_leading_blocks() -> None:
     """Only the first TRAFFIC_MAX_BLOCKS hashes of a request are counted."""
     window = TrafficWindow()

@@ -1,0 +1,84 @@
+"""The proxy's memory under a steady load of distinct prompts: RSS every few seconds.
+
+Starts the fast fake backend and ``prefixgate serve`` (its defaults, or ``--extra`` flags), then
+offers the overhead benchmark's closed-loop load (``--concurrency`` streams of distinct
+``--prompt-bytes`` prompts sharing a short system prompt) for ``--seconds``, printing the
+proxy's resident memory every ``--every`` seconds. What grows with the traffic rather than with
+time shows here within a minute: the soak (``bench/soak.py``) runs a lower rate of shorter
+prompts, under faults.
+
+Run: ``python bench/rss_under_load.py [--seconds 90] [--concurrency 64] [--extra "FLAGS"]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import loadgen
+import procs
+from bench_overhead import salted_bodies
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process, MiB (``VmRSS``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=90.0)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--prompt-bytes", type=int, default=8192)
+    parser.add_argument("--every", type=float, default=10.0, help="seconds between readings")
+    parser.add_argument("--extra", default="", help="more `prefixgate serve` flags")
+    args = parser.parse_args(argv)
+    bodies = salted_bodies(args.prompt_bytes, 16)
+    with tempfile.TemporaryDirectory(prefix="pg-rss-") as tmp:
+        workdir = Path(tmp)
+        with (
+            procs.start_fake(workdir) as fake,
+            procs.start_prefixgate(workdir, fake.url, extra=args.extra.split()) as proxy,
+        ):
+            pid = proxy.popen.pid
+            done = threading.Event()
+
+            def watch() -> None:
+                t0 = time.monotonic()
+                while True:
+                    rss = rss_mib(pid)
+                    print(f"{time.monotonic() - t0:6.0f} s  RSS {rss:7.1f} MiB", flush=True)
+                    if done.wait(args.every):
+                        return
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            results, _ = asyncio.run(
+                loadgen.closed_loop(
+                    proxy.url + loadgen.CHAT_PATH,
+                    bodies,
+                    concurrency=args.concurrency,
+                    duration_s=args.seconds,
+                )
+            )
+            done.set()
+            watcher.join()
+            errors = sum(1 for r in results if r.error is not None)
+            print(
+                f"{len(results)} requests, {errors} errors, RSS at the end {rss_mib(pid):.1f} MiB"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
