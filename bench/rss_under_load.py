@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
 import sys
 import tempfile
 import threading
@@ -27,12 +28,9 @@ import procs
 from bench_overhead import salted_bodies
 
 
-def rss_mib(pid: int) -> float:
-    """Resident memory of a process, MiB (``VmRSS``)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024.0
-    return float("nan")
+def rss_mib(proxy: procs.Proc) -> float:
+    """Resident memory of the proxy's process tree, MiB (0 once it has gone)."""
+    return proxy.rss_kb() / 1024.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,15 +46,14 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         with (
             procs.start_fake(workdir) as fake,
-            procs.start_prefixgate(workdir, fake.url, extra=args.extra.split()) as proxy,
+            procs.start_prefixgate(workdir, fake.url, extra=shlex.split(args.extra)) as proxy,
         ):
-            pid = proxy.popen.pid
             done = threading.Event()
 
             def watch() -> None:
                 t0 = time.monotonic()
                 while True:
-                    rss = rss_mib(pid)
+                    rss = rss_mib(proxy)
                     print(f"{time.monotonic() - t0:6.0f} s  RSS {rss:7.1f} MiB", flush=True)
                     if done.wait(args.every):
                         return
@@ -75,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             watcher.join()
             errors = sum(1 for r in results if r.error is not None)
             print(
-                f"{len(results)} requests, {errors} errors, RSS at the end {rss_mib(pid):.1f} MiB"
+                f"{len(results)} requests, {errors} errors, RSS at the end {rss_mib(proxy):.1f} MiB"
             )
     return 0
 

@@ -359,9 +359,11 @@ class TrafficWindow:
     def observe(self, hashes: Sequence[int], now: float) -> None:
         """Count one request carrying the leading ``hashes`` (at most ``TRAFFIC_MAX_BLOCKS``).
 
-        A bucket holding ``max_hashes`` distinct hashes (``TRAFFIC_MAX_HASHES``) counts only
-        those it holds: the leading run of the chain it knows (a bucket's hashes are whole
-        leading runs of the chains it counted, so past the first it lacks it holds none)."""
+        A request whose hashes would take the bucket past ``max_hashes`` distinct ones
+        (``TRAFFIC_MAX_HASHES``; counting its hashes the bucket holds already, so a bucket is
+        full up to one request's length early) counts only those it holds: the leading run of
+        the chain it knows (a bucket's hashes are whole leading runs of the chains it counted,
+        so past the first it lacks it holds none)."""
         self._roll(now)
         cur = self._current
         cur.requests += 1
@@ -375,6 +377,15 @@ class TrafficWindow:
             if n is None:
                 return
             counts[h] = n + 1
+
+    @property
+    def held(self) -> int:
+        """Distinct hashes the current bucket holds (at most ``max_hashes``)."""
+        return len(self._current.counts)
+
+    def holds(self, block_hash: int) -> bool:
+        """Whether the current bucket holds ``block_hash``."""
+        return block_hash in self._current.counts
 
     def counts(self, hashes: Sequence[int], now: float) -> tuple[int, list[int]]:
         """``(window_requests, count per hash)`` for the leading ``hashes`` (a block chain).

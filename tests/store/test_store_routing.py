@@ -104,8 +104,8 @@ async def test_a_full_traffic_bucket_counts_only_the_hashes_it_holds(
     make_store: StoreFactory,
 ) -> None:
     """Past ``traffic_max_hashes`` a bucket still counts each request and the hashes it holds
-    (the shared prefix, exactly), and adds no new one: its size stays bounded."""
-    store = make_store(traffic_max_hashes=6)
+    (the shared prefix, exactly), and adds no new one (the second family's own blocks)."""
+    store = make_store(traffic_max_hashes=6, traffic_window_s=3600.0)  # one bucket throughout
     system = chain("sys", 2)
     a, b = chain("a", 2, head=system), chain("b", 2, head=system)
     await store.observe_traffic("default", a)  # 4 hashes

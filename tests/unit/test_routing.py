@@ -287,32 +287,35 @@ def test_traffic_window_rolls_over_two_buckets() -> None:
     ),
     cap=st.integers(1, 40),
 )
-def test_a_bounded_traffic_bucket_never_outgrows_its_bound_nor_overcounts(
+def test_a_bounded_traffic_bucket_never_outgrows_its_bound_nor_miscounts(
     requests: list[tuple[int, int, int]], cap: int
 ) -> None:
-    """Whatever the traffic, a bucket holds at most ``max_hashes`` hashes; every count it gives
-    is at most the true count, and the counts of the hashes it held from its start (its first
-    request's, when they fit) are exact."""
+    """Whatever the traffic, a bucket holds at most ``max_hashes`` hashes, always whole leading
+    runs of the chains it counted (what lets a full bucket stop at the first hash it lacks),
+    and each hash it holds is counted exactly from the request that added it on."""
     from collections import Counter
 
     def chain(f: int, shared: int, n: int) -> list[int]:
         # chained: a hash names its whole prefix (a shared head, then the family's own blocks)
-        return [hash(("s", i)) if i < shared else hash((f, shared, i)) for i in range(n)]
+        return [hash((-1, i)) if i < shared else hash((f, shared, i)) for i in range(n)]
 
     window = TrafficWindow(bucket_s=1e9, max_hashes=cap)
-    truth: Counter[int] = Counter()
+    since: Counter[int] = Counter()  # requests carrying each hash since it was added
     for f, n, shared in requests:
         hashes = chain(f, shared, n)
         window.observe(hashes, now=0.0)
-        truth.update(hashes)
-        assert len(window._current.counts) <= cap
+        for h in hashes:
+            if window.holds(h):
+                since[h] += 1
+        assert window.held <= cap
+        held = [window.holds(h) for h in hashes]
+        assert held == sorted(held, reverse=True)  # a leading run, nothing after a gap
     for f, n, shared in requests:
         hashes = chain(f, shared, n)
         _, counts = window.counts(hashes, now=0.0)
-        assert all(c <= truth[h] for c, h in zip(counts, hashes, strict=True))
-    if requests and requests[0][1] <= cap:  # the first request's hashes: held from the start
-        first = chain(requests[0][0], requests[0][2], requests[0][1])
-        assert window.counts(first, now=0.0)[1] == [truth[h] for h in first]
+        run = [h for h in hashes if window.holds(h)]
+        assert counts[: len(run)] == [since[h] for h in run]
+        assert counts == sorted(counts, reverse=True)  # counts only fall along a chain
 
 
 def test_traffic_window_counts_only_the_leading_blocks() -> None:
