@@ -70,7 +70,8 @@ class CachedPrompt:
         self.fp = fp
         self._generated = generated
         self.tokens: float = prompt_tokens + max(generated - 1.0, 0.0)
-        """What the KV holds: the prompt and the generated tokens but the last sampled one."""
+        """What the KV holds: the prompt and the generated tokens but the last sampled one
+        (derived: set ``prompt_tokens`` or ``generated``, never this)."""
         self.measured = measured
         self.t_used = t_used
         self.gap_s: float | None = gap_s

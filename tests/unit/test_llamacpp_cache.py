@@ -187,6 +187,17 @@ def test_restorable_takes_the_shared_tokens_the_caller_counted() -> None:
         assert restorable(conv, other, ram, counter, rules=rules, shared=kept) == restorable(
             conv, other, ram, counter, rules=rules
         )
+    # A long conversation with a long answer, replaced by a short prompt sharing its first
+    # block: the replacing slot keeps half (no save by f_keep), and what it shares is under the
+    # similarity bar only as a share of all the evicted state holds, answer included.
+    long = state(chain(1, 8))
+    long.measure(512, 1000)
+    short = state(chain(1, 1, tail=9, tail_blocks=1))
+    ram.save(long)
+    kept = counter.cached(short, probe_of(long))
+    assert kept == 64.0 and kept / short.tokens == 0.5 and kept / long.prompt_tokens > 0.1
+    assert restorable(long, short, ram, counter, rules=rules, shared=kept)
+    assert restorable(long, short, ram, counter, rules=rules)
 
 
 def test_next_turn_shares_the_measured_prompt_and_the_repeated_answer() -> None:
