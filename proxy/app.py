@@ -145,6 +145,7 @@ def build_app(
             options=StoreOptions(
                 stats_retention_s=settings.stats_retention_s,
                 traffic_window_s=settings.traffic_window_s,
+                traffic_max_hashes=settings.traffic_max_hashes,
                 timeouts=StoreTimeouts.for_lookup(t.store),
             ),
         )

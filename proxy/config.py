@@ -302,6 +302,14 @@ class Settings:
         metavar="S",
     )
     """Bucket length of the recent-traffic counts behind the traffic-shared depth."""
+    traffic_max_hashes: int = option(
+        _STORE.traffic_max_hashes,
+        "prefix-affinity: most distinct block hashes one recent-traffic bucket counts per "
+        "tenant; a full bucket still counts the ones it holds (bounds the counts' memory)",
+        cast=int,
+        metavar="N",
+    )
+    """Distinct block hashes one traffic bucket counts per tenant (``TRAFFIC_MAX_HASHES``)."""
     store_write_delay_ms: float = option(
         5.0,
         "how long the store's writes (claims, in-flight counts, learned prefixes, statistics) "
@@ -503,6 +511,8 @@ def _check(settings: Settings, *, read_files: bool) -> None:
         raise ConfigError("--health-failures must be at least 1")
     if not (math.isfinite(settings.traffic_window_s) and settings.traffic_window_s > 0):
         raise ConfigError("--traffic-window-s must be a positive number")
+    if settings.traffic_max_hashes < 1:
+        raise ConfigError("--traffic-max-hashes must be at least 1")
     if not (math.isfinite(settings.store_write_delay_ms) and settings.store_write_delay_ms >= 0):
         raise ConfigError("--store-write-delay-ms must be a number of milliseconds, 0 or more")
     if settings.store_write_delay_ms > 1000:

@@ -175,6 +175,7 @@ def test_routing_settings_from_flags_env_and_toml(tmp_path: Any) -> None:
             "shared_share": "0.6",
             "min_window_requests": "8",
             "traffic_window_s": "30",
+            "traffic_max_hashes": "1000",
         },
         environ={},
     )
@@ -185,11 +186,12 @@ def test_routing_settings_from_flags_env_and_toml(tmp_path: Any) -> None:
         shared_share=0.6,
         min_window_requests=8,
     )
-    assert knobs.traffic_window_s == 30.0
+    assert knobs.traffic_window_s == 30.0 and knobs.traffic_max_hashes == 1000
     for bad in (
         {"backend": ["http://a:1"], "shared_share": "0"},
         {"backend": ["http://a:1"], "load_gate_slack": "-1"},
         {"backend": ["http://a:1"], "traffic_window_s": "0"},
+        {"backend": ["http://a:1"], "traffic_max_hashes": "0"},
         {"backend": ["http://a:1"], "policy": "random"},
         {"backend": ["http://a:1=0"]},
         {"backend": ["http://a:1", "http://a:1"]},
@@ -198,3 +200,15 @@ def test_routing_settings_from_flags_env_and_toml(tmp_path: Any) -> None:
     ):
         with pytest.raises(ConfigError):
             resolve(bad, environ={})
+
+
+async def test_the_traffic_bound_set_reaches_the_store(
+    llama_fake: LlamaFake, make_proxy: MakeProxy
+) -> None:
+    """``--traffic-max-hashes`` bounds the running proxy's traffic counts: past it the store
+    counts the requests and the hashes it holds, and no new one."""
+    _, _, app = await make_proxy(llama_fake.url, traffic_max_hashes=3)
+    store = app[STATE].store
+    await store.observe_traffic("default", [1, 2])
+    await store.observe_traffic("default", [1, 5, 6])  # would make 4: only the held one counts
+    assert await store.traffic_counts("default", [1, 5]) == (2, [2, 0])
