@@ -35,9 +35,6 @@ class StoreHealth:
         """Failed calls since start-up."""
         self.skipped = 0
         """Calls answered without trying the service because the breaker was open."""
-        self.overruns = 0
-        """Of ``failures``, calls whose deadline this process noticed more than a whole deadline
-        late (its event loop was busy): answered neutrally, not held against the service."""
 
     @property
     def degraded(self) -> bool:
@@ -64,14 +61,6 @@ class StoreHealth:
             failures=self._incident_failures,
         )
         self._degraded = False
-        self._probing = False
-
-    def overran(self) -> None:
-        """A call's deadline passed while this process could not look (its event loop was
-        busy for longer than the deadline): it counts as failed, but the service may well have
-        answered in time, so the breaker is left as it is; if it was the probe, another may go."""
-        self.failures += 1
-        self.overruns += 1
         self._probing = False
 
     def abandoned(self) -> None:

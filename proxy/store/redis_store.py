@@ -113,9 +113,6 @@ _PLAIN_NAMESPACE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 # RedisErrors: "cannot be connected", "slot not covered"), socket errors it did not translate,
 # and our own deadline.
 _FAILURES = (RedisError, RedisClusterException, OSError, TimeoutError)
-OVERRUN_MIN_S = 0.005
-"""How late past its deadline a timed-out call must have been noticed, at least, for the miss
-to be put down to this process's busy event loop rather than to Redis (``_guarded``)."""
 
 
 async def _within(call: Awaitable[T], timeout_s: float) -> T:
@@ -346,18 +343,9 @@ class RedisStore:
         ``scripts``: ``call`` runs only scripts (``_eval_all``). On the scripts' own connection
         a cancelled call unwinds at once, so the deadline is a plain ``asyncio.timeout``, without
         the task ``_within`` runs a redis-py call in.
-
-        A deadline this process noticed more than a whole deadline late (and at least
-        ``OVERRUN_MIN_S``) was missed by its own busy event loop, not necessarily by Redis: when
-        a late loop turn finds both the deadline due and Redis's reply read, asyncio runs the
-        cancellation before the waiting call's next step. Such a call answers ``neutral`` but
-        does not open the breaker (``overran``); a Redis that is slow or gone, seen by a loop on
-        time, still does.
         """
         if self._closed or not self._health.allow():
             return neutral
-        loop = asyncio.get_running_loop()
-        started = loop.time()
         try:
             if scripts and self._link is not None:
                 async with asyncio.timeout(timeout_s):
@@ -367,11 +355,7 @@ class RedisStore:
             else:
                 result = await _within(call(), timeout_s)
         except _FAILURES as exc:
-            late_s = loop.time() - started - timeout_s
-            if isinstance(exc, TimeoutError) and late_s > max(timeout_s, OVERRUN_MIN_S):
-                self._health.overran()
-            else:
-                self._failed(op, exc)
+            self._failed(op, exc)
             return neutral
         except BaseException:  # cancelled from outside (e.g. the client went away)
             self._health.abandoned()

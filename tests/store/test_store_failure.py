@@ -127,30 +127,3 @@ async def test_closed_store_answers_neutrally(own_redis_server: RedisServer) -> 
     await store.aclose()
     assert await store.longest_match("default", [R1], CHAIN) == {}
     await store.record_prefix("default", R1, CHAIN, 100)
-
-
-async def test_a_deadline_missed_by_a_busy_event_loop_does_not_open_the_breaker(
-    own_redis_server: RedisServer,
-) -> None:
-    """A lookup whose deadline the proxy's own event loop noticed far too late (it was busy,
-    Redis answered at once) answers neutrally and counts as failed, but leaves the breaker
-    closed; the next lookup is answered. A frozen Redis seen by a loop on time still opens it."""
-    store = RedisStore.from_url(own_redis_server.url, OPTIONS)
-    try:
-        await store.warm()
-        await store.record_prefix("default", R1, CHAIN, 100)
-        call = asyncio.ensure_future(store.longest_match("default", [R1], CHAIN))
-        await asyncio.sleep(0)  # the lookup is sent
-        time.sleep(0.1)  # noqa: ASYNC251 - the point: the loop is busy for five deadlines
-        assert await call == {}
-        assert not store.degraded and store.failures == 1
-        assert await store.longest_match("default", [R1], CHAIN) == {R1: 4}
-
-        own_redis_server.freeze()
-        try:
-            assert await timed(store.longest_match("default", [R1], CHAIN)) == {}
-            assert store.degraded
-        finally:
-            own_redis_server.thaw()
-    finally:
-        await store.aclose()
