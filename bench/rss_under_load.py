@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shlex
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -35,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loadgen
 import procs
 from bench_overhead import salted_bodies
+
+_DEGRADED = '"event":"store_degraded"'
 
 
 def traffic_requests(redis_url: str) -> int:
@@ -104,11 +108,16 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)  # the writes still queued land
             log = proxy.extra_files["records"].read_text(errors="replace")
             counted = traffic_requests(redis_url)
-            opened = log.count('"event":"store_degraded"')
+            opened = Counter(
+                f"{line['op']} {line['error']}"
+                for line in map(json.loads, (x for x in log.splitlines() if _DEGRADED in x))
+            )
             print(
-                f"store breaker opened {opened} times; "
+                f"store breaker opened {opened.total()} times; "
                 f"the traffic counts in Redis saw {counted} of {len(results)} requests"
             )
+            if opened:
+                print("  opened by: " + ", ".join(f"{k} x{n}" for k, n in opened.most_common()))
     return 0
 
 

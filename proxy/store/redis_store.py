@@ -39,7 +39,10 @@ so a write lost to a Redis blip is healed by the next one instead of drifting fo
 
 Every call is bounded (``StoreTimeouts``) and guarded by a circuit breaker (``StoreHealth``):
 Redis down, hung or restarted costs a request at most ``lookup_s``, and the store reconnects by
-itself (redis-py opens a new connection on the next call after one was dropped).
+itself (redis-py opens a new connection on the next call after one was dropped). The scripts'
+deadline is their link's (``RespLink.execute``): a call fails only if Redis had not answered
+when the loop came to look, so a proxy whose own loop runs late does not open the breaker on a
+Redis that answered in time.
 
 Redis Cluster (``redis+cluster://`` / ``rediss+cluster://``; the client and its layout are
 ``proxy.store.redis_cluster``'s): pipelines are split per node and sent in parallel. One
@@ -95,7 +98,7 @@ from proxy.store.redis_scripts import (
     pack_chain,
 )
 from proxy.store.redis_stats import add_stats_calls
-from proxy.store.resp import RespAddress, RespLink
+from proxy.store.resp import Command, RespAddress, RespLink
 from proxy.store.stats import StatsSample
 from proxy.store.window import (
     MINUTE_S,
@@ -134,6 +137,10 @@ async def _within(call: Awaitable[T], timeout_s: float) -> T:
         task.add_done_callback(_retrieve)
         raise TimeoutError
     return task.result()
+
+
+def _nothing(results: list[Any]) -> None:
+    """A write's answer: none (its failures raise in ``_eval_all``)."""
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
@@ -332,24 +339,19 @@ class RedisStore:
     async def _guarded(
         self,
         op: str,
-        timeout_s: float,
+        timeout_s: float | None,
         neutral: T,
         call: Callable[[], Awaitable[T]],
-        *,
-        scripts: bool = False,
     ) -> T:
         """Run ``call`` within ``timeout_s``; on any failure answer ``neutral`` and note it.
 
-        ``scripts``: ``call`` runs only scripts (``_eval_all``). On the scripts' own connection
-        a cancelled call unwinds at once, so the deadline is a plain ``asyncio.timeout``, without
-        the task ``_within`` runs a redis-py call in.
+        ``timeout_s`` None: ``call`` keeps its own deadline (the scripts' link, ``_scripts``).
         """
         if self._closed or not self._health.allow():
             return neutral
         try:
-            if scripts and self._link is not None:
-                async with asyncio.timeout(timeout_s):
-                    result = await call()
+            if timeout_s is None:
+                result = await call()
             elif self._layout is not None and self._layout.pending:
                 result = await _within(self._layout.then(call), timeout_s)
             else:
@@ -376,14 +378,47 @@ class RedisStore:
                 hint="the Redis URL names a cluster node: use redis+cluster://host:port",
             )
 
-    async def _eval_all(
+    async def _scripts(
         self,
-        calls: Sequence[tuple[LuaScript, Sequence[str], Sequence[Any]]],
+        op: str,
+        timeout_s: float,
+        neutral: T,
+        calls: Sequence[_Call],
+        answer: Callable[[list[Any]], T],
         *,
         writes: bool = False,
+    ) -> T:
+        """``answer`` to the results of ``calls`` (``_eval_all``) within ``timeout_s``, guarded.
+
+        On the scripts' own connection (``RespLink``: writes on their own one) the deadline is
+        the link's: it fails the call only if Redis's replies had not been read when the loop
+        came to look, so a proxy too busy to notice an answer in time does not put its own lag
+        down to Redis (and open the breaker on it). A frozen or slow Redis still misses it.
+        Through redis-py (Cluster, TLS) ``_guarded`` bounds the call.
+        """
+        if (self._write_link if writes else self._link) is None:
+
+            async def run() -> T:
+                return answer(await self._eval_all(calls, writes=writes))
+
+            return await self._guarded(op, timeout_s, neutral, run)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+
+        async def bounded() -> T:
+            return answer(await self._eval_all(calls, writes=writes, deadline=deadline))
+
+        return await self._guarded(op, None, neutral, bounded)
+
+    async def _eval_all(
+        self,
+        calls: Sequence[_Call],
+        *,
+        writes: bool = False,
+        deadline: float | None = None,
     ) -> list[Any]:
         """Run each (script, keys, args) in one pipelined round trip (one per node, in parallel,
-        on a cluster).
+        on a cluster). ``deadline``: the scripts' link's (``_scripts``); both round trips of a
+        restart keep to it.
 
         After a Redis restart the script cache is empty: the calls that failed for it are sent
         once more with the scripts' source (``EVAL`` runs and caches them), one more round trip
@@ -391,7 +426,12 @@ class RedisStore:
         calls run again: a script that did run is never applied twice.
         """
         link = self._write_link if writes else self._link
-        send = link.execute if link is not None else self._pipelined
+
+        async def send(commands: list[Command]) -> list[Any]:
+            if link is None:
+                return await self._pipelined(commands)
+            return await link.execute(commands, deadline)
+
         results = await send(
             [("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args in calls]
         )
@@ -471,11 +511,10 @@ class RedisStore:
         chain = pack_chain(hashes)
         calls: list[_Call] = [(LOOKUP, (self.index_key(namespace, r),), (chain,)) for r in replicas]
 
-        async def run() -> dict[str, int]:
-            counts = await self._eval_all(calls)
+        def answer(counts: list[Any]) -> dict[str, int]:
             return {r: int(c) for r, c in zip(replicas, counts, strict=True)}
 
-        return await self._guarded("lookup", self._opts.timeouts.lookup_s, {}, run, scripts=True)
+        return await self._scripts("lookup", self._opts.timeouts.lookup_s, {}, calls, answer)
 
     async def record_prefix(
         self, namespace: str, replica: str, hashes: Sequence[int], capacity_blocks: int
@@ -484,11 +523,7 @@ class RedisStore:
         if not hashes:
             return
         call = self._record_call(namespace, replica, hashes, capacity_blocks)
-
-        async def run() -> None:
-            await self._eval_all([call])
-
-        await self._guarded("record", self._opts.timeouts.write_s, None, run, scripts=True)
+        await self._scripts("record", self._opts.timeouts.write_s, None, [call], _nothing)
 
     def _record_call(
         self, namespace: str, replica: str, hashes: Sequence[int], capacity_blocks: int
@@ -508,8 +543,8 @@ class RedisStore:
         if chain is not None:
             calls += [(LOOKUP, (self.index_key(namespace, r),), (chain,)) for r in replicas]
 
-        async def run() -> LookupResult:
-            counts_raw, loads_raw, *found = await self._eval_all(calls)
+        def answer(results: list[Any]) -> LookupResult:
+            counts_raw, loads_raw, *found = results
             window, *counts = _numbers(counts_raw)
             matched = (
                 {r: int(c) for r, c in zip(replicas, found, strict=True)}
@@ -524,31 +559,25 @@ class RedisStore:
                 hash_counts=counts,
             )
 
-        return await self._guarded(
-            "lookup", self._opts.timeouts.lookup_s, LookupResult.unavailable(), run, scripts=True
+        unavailable = LookupResult.unavailable()
+        return await self._scripts(
+            "lookup", self._opts.timeouts.lookup_s, unavailable, calls, answer
         )
 
     async def traffic_counts(self, namespace: str, hashes: Sequence[int]) -> tuple[int, list[int]]:
         """Requests in the window and how many carried each leading hash (one script)."""
         call = self._traffic_read(namespace, hashes)
 
-        async def run() -> tuple[int, list[int]]:
-            (raw,) = await self._eval_all([call])
-            window, *counts = _numbers(raw)
+        def answer(results: list[Any]) -> tuple[int, list[int]]:
+            window, *counts = _numbers(results[0])
             return window, counts
 
-        return await self._guarded(
-            "traffic", self._opts.timeouts.lookup_s, (0, []), run, scripts=True
-        )
+        return await self._scripts("traffic", self._opts.timeouts.lookup_s, (0, []), [call], answer)
 
     async def observe_traffic(self, namespace: str, hashes: Sequence[int]) -> None:
         """Count one request in the current traffic bucket."""
         call = self._observe_call(namespace, hashes)
-
-        async def run() -> None:
-            await self._eval_all([call])
-
-        await self._guarded("observe", self._opts.timeouts.write_s, None, run, scripts=True)
+        await self._scripts("observe", self._opts.timeouts.write_s, None, [call], _nothing)
 
     def _observe_call(self, namespace: str, hashes: Sequence[int]) -> _Call:
         bucket = self._traffic_bucket()
@@ -583,11 +612,7 @@ class RedisStore:
     async def _write_in_flight(self, replica: str) -> None:
         """Write this proxy's current count for ``replica`` (bounded, like every call)."""
         call = self._in_flight_call(replica)
-
-        async def run() -> None:
-            await self._eval_all([call])
-
-        await self._guarded("in_flight", self._opts.timeouts.write_s, None, run, scripts=True)
+        await self._scripts("in_flight", self._opts.timeouts.write_s, None, [call], _nothing)
 
     def _in_flight_call(self, replica: str) -> _Call:
         keys = (self.fleet_key("load"), self.fleet_key("proxies"))
@@ -609,11 +634,7 @@ class RedisStore:
         calls = self._stats_calls([sample])
         if not calls:
             return  # older than anything kept
-
-        async def run() -> None:
-            await self._eval_all(calls)
-
-        await self._guarded("add_stats", self._opts.timeouts.write_s, None, run, scripts=True)
+        await self._scripts("add_stats", self._opts.timeouts.write_s, None, calls, _nothing)
 
     def _stats_calls(self, samples: Sequence[StatsSample]) -> list[_Call]:
         return add_stats_calls(
@@ -643,13 +664,9 @@ class RedisStore:
         calls += self._stats_calls(batch.stats)
         if not calls:
             return
-
-        async def run() -> None:
-            await self._eval_all(calls, writes=True)
-
         # A batch takes Redis longer than one write: its bound grows with it (0.2 ms a script).
         limit_s = self._opts.timeouts.write_s + 0.0002 * len(calls)
-        await self._guarded("writes", limit_s, None, run, scripts=True)
+        await self._scripts("writes", limit_s, None, calls, _nothing, writes=True)
 
     async def query_stats(
         self,

@@ -154,6 +154,25 @@ class _Protocol(asyncio.Protocol):
                 future.set_exception(exc)
 
 
+def _expire(future: asyncio.Future[list[Any]], loop: asyncio.AbstractEventLoop) -> None:
+    """A call's deadline is due: fail it unless its replies are read by the loop's next read.
+
+    asyncio runs a turn's socket reads (``data_received``) before the timers due in that turn,
+    so when a late turn finds both a deadline due and the reply in the socket, the reply is
+    read first and this finds the call done. A reply that came while that turn's callbacks ran
+    is read at the start of the next turn, before the timers due then (``call_later(0)``
+    lands there): the call fails only if its replies are still missing after that read, i.e.
+    Redis had not answered when the loop came to look.
+    """
+    if not future.done():
+        loop.call_later(0.0, _time_out, future)
+
+
+def _time_out(future: asyncio.Future[list[Any]]) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())
+
+
 class RespLink:
     """One shared, pipelined connection; ``execute`` sends commands and returns their replies
     (error replies as redis-py's exceptions, as values in place, as a pipeline does)."""
@@ -170,27 +189,46 @@ class RespLink:
         self._connecting: asyncio.Future[_Protocol] | None = None
         self._closed = False
 
-    async def execute(self, commands: Sequence[Command]) -> list[Any]:
+    async def execute(
+        self, commands: Sequence[Command], deadline: float | None = None
+    ) -> list[Any]:
+        """The replies to ``commands``, sent in one write.
+
+        ``deadline`` (the event loop's clock): TimeoutError if the replies have not been read
+        by then. It judges Redis, not the proxy: a reply that reached the socket before the
+        deadline passed counts even when a busy loop notices both late (see ``_expire``), where
+        a deadline that cancels the caller (``asyncio.timeout``) would fail the call.
+        """
         if not commands:
             return []
+        loop = asyncio.get_running_loop()
         protocol = self._protocol
         if protocol is None or protocol.lost:
-            protocol = await self._connect()
+            if deadline is None:
+                protocol = await self._connect()
+            else:
+                async with asyncio.timeout_at(deadline):
+                    protocol = await self._connect()
         transport = protocol.transport
         if protocol.lost or transport is None or transport.is_closing():
             raise RedisConnectionError("connection to Redis lost")
-        loop = asyncio.get_running_loop()
         future: asyncio.Future[list[Any]] = loop.create_future()
         transport.write(b"".join([hiredis.pack_command(tuple(c)) for c in commands]))
         protocol.waiting.append((future, len(commands), [], loop.time()))
+        timer = None if deadline is None else loop.call_at(deadline, _expire, future, loop)
         try:
             return await future
-        except asyncio.CancelledError:  # the caller's deadline: is the connection dead?
+        except (asyncio.CancelledError, TimeoutError):  # gave up: is the connection dead?
+            if future.done() and not future.cancelled():
+                future.exception()  # retrieved: a deadline and a cancel that came together
             waiting = protocol.waiting
             if waiting and loop.time() - waiting[0][3] > self._stale_s:
                 protocol._fail(RedisConnectionError("Redis stopped answering"))
                 transport.abort()  # every call on it has failed; the next one reconnects
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def _connect(self) -> _Protocol:
         if self._closed:

@@ -7,6 +7,7 @@ it: ``RedisStore.from_url`` takes it for a ``redis://`` URL); these pin the conn
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import redis
@@ -184,3 +185,116 @@ async def test_a_connect_every_caller_gave_up_on_is_not_reused(
         assert await link.execute([("PING",)]) == [b"PONG"]
     finally:
         await link.aclose()
+
+
+# -- a call's deadline judges Redis, not the proxy's loop ----------------------------------------
+
+
+def stall_the_loop(seconds: float) -> None:
+    """Block the event loop, as a busy proxy's turn does (timers come due, sockets fill)."""
+    time.sleep(seconds)
+
+
+@pytest.mark.redis
+async def test_a_reply_a_busy_loop_notices_late_still_counts(
+    own_redis_server: RedisServer,
+) -> None:
+    """The loop stalls past the deadline while Redis answers: the turn that finds the deadline
+    due reads the reply first, and the call has its answer."""
+    link = link_to(own_redis_server)
+    loop = asyncio.get_running_loop()
+    try:
+        assert await link.execute([("PING",)]) == [b"PONG"]  # connected
+        call = asyncio.ensure_future(link.execute([("ECHO", "x")], loop.time() + 0.005))
+        await asyncio.sleep(0)  # sent
+        stall_the_loop(0.05)  # the deadline passes, Redis answers
+        assert await call == [b"x"]
+    finally:
+        await link.aclose()
+
+
+@pytest.mark.redis
+async def test_a_reply_that_comes_while_the_late_turn_runs_still_counts(
+    own_redis_server: RedisServer,
+) -> None:
+    """Redis answers while the late turn runs (after that turn's read, before its deadline
+    timer): the call looks again after the loop's next read, and has its answer."""
+    link = link_to(own_redis_server)
+    loop = asyncio.get_running_loop()
+    try:
+        assert await link.execute([("PING",)]) == [b"PONG"]
+        own_redis_server.freeze()
+        deadline = loop.time() + 0.01
+
+        def busy() -> None:  # a callback of the same turn, due just before the deadline
+            own_redis_server.thaw()
+            time.sleep(0.05)  # Redis answers meanwhile
+
+        loop.call_at(deadline - 0.001, busy)
+        call = asyncio.ensure_future(link.execute([("ECHO", "y")], deadline))
+        await asyncio.sleep(0)  # sent, to a frozen Redis
+        stall_the_loop(0.02)  # past both: the next turn runs busy, then the deadline's timer
+        assert await call == [b"y"]
+    finally:
+        await link.aclose()
+
+
+@pytest.mark.redis
+async def test_a_deadline_fails_the_call_redis_has_not_answered(
+    own_redis_server: RedisServer,
+) -> None:
+    link = link_to(own_redis_server)
+    loop = asyncio.get_running_loop()
+    try:
+        assert await link.execute([("PING",)]) == [b"PONG"]
+        own_redis_server.freeze()
+        start = loop.time()
+        with pytest.raises(TimeoutError):
+            await link.execute([("ECHO", "never")], start + 0.02)
+        assert 0.02 <= loop.time() - start < 0.5  # at the deadline, not Redis's socket timeout
+        loop.call_later(0.06, own_redis_server.thaw)  # answers after the deadline: too late
+        with pytest.raises(TimeoutError):
+            await link.execute([("ECHO", "late")], loop.time() + 0.02)
+        await asyncio.sleep(0.1)
+        assert await link.execute([("ECHO", "next")]) == [b"next"]  # still in step
+    finally:
+        await link.aclose()
+
+
+@pytest.mark.redis
+async def test_a_deadline_bounds_the_connect_too(own_redis_server: RedisServer) -> None:
+    """A Redis that accepts the connection and never answers the handshake."""
+    link = link_to(own_redis_server, password="pw")
+    loop = asyncio.get_running_loop()
+    try:
+        own_redis_server.freeze()
+        start = loop.time()
+        with pytest.raises(TimeoutError):
+            await link.execute([("PING",)], start + 0.02)
+        assert loop.time() - start < 0.5  # not the link's 1 s connect timeout
+    finally:
+        own_redis_server.thaw()
+        await link.aclose()
+
+
+@pytest.mark.redis
+async def test_the_store_does_not_put_its_own_lag_down_to_redis(
+    own_redis_server: RedisServer,
+) -> None:
+    """A lookup whose answer the busy proxy reads after its deadline: the answer is used and
+    the breaker stays closed (asyncio's own deadline would have cancelled the call)."""
+    store = RedisStore.from_url(f"redis://127.0.0.1:{own_redis_server.port}/0", StoreOptions())
+    try:
+        assert await store.warm()
+        await store.record_prefix("default", "http://r:1", [1, 2, 3], 100)
+        lookup = asyncio.ensure_future(store.longest_match("default", ["http://r:1"], [1, 2, 3]))
+        await asyncio.sleep(0)  # sent
+        stall_the_loop(0.05)  # ten lookup deadlines
+        assert await lookup == {"http://r:1": 3}
+        assert not store.degraded and store.failures == 0
+        own_redis_server.freeze()  # a Redis that does not answer still opens the breaker
+        assert await store.longest_match("default", ["http://r:1"], [1, 2, 3]) == {}
+        assert store.degraded and store.failures == 1
+    finally:
+        own_redis_server.thaw()
+        await store.aclose()

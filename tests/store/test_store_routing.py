@@ -281,9 +281,9 @@ async def test_lookup_is_one_round_trip(redis_server: RedisServer, client: str) 
         if link is not None:
             send = link.execute
 
-            async def counted_send(commands: Any) -> Any:
+            async def counted_send(commands: Any, deadline: float | None = None) -> Any:
                 executed.append(len(commands))
-                return await send(commands)
+                return await send(commands, deadline)
 
             link.execute = counted_send  # type: ignore[method-assign]  # counting wrapper
         make_pipeline = store.client.pipeline
