@@ -139,6 +139,14 @@ async def _within(call: Awaitable[T], timeout_s: float) -> T:
     return task.result()
 
 
+def _raised(results: list[Any]) -> list[Any]:
+    """``results``, or the first error among them raised (a pipeline's errors come in place)."""
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+    return results
+
+
 def _nothing(results: list[Any]) -> None:
     """A write's answer: none (its failures raise in ``_eval_all``)."""
 
@@ -284,13 +292,23 @@ class RedisStore:
         if not keys:
             return []
         names = [self.memory_key(namespace, kind, k) for k in keys]
+        none: list[bytes | None] = [None] * len(keys)
+        timeout_s = self._opts.timeouts.lookup_s
+        link = self._link
+        if link is not None:  # on the scripts' link, under its deadline (``_scripts``)
+            deadline = asyncio.get_running_loop().time() + timeout_s
+
+            async def linked() -> list[bytes | None]:
+                (values,) = _raised(await link.execute([("MGET", *names)], deadline))
+                return list(values)
+
+            return await self._guarded("recall", None, none, linked)
 
         async def run() -> list[bytes | None]:
             values = await self._client.mget(names)
             return [v if isinstance(v, bytes) or v is None else str(v).encode() for v in values]
 
-        none: list[bytes | None] = [None] * len(keys)
-        return await self._guarded("recall", self._opts.timeouts.lookup_s, none, run)
+        return await self._guarded("recall", timeout_s, none, run)
 
     async def remember(
         self, namespace: str, kind: str, items: Mapping[str, bytes], ttl_s: float
@@ -301,6 +319,17 @@ class RedisStore:
         kept = [(self.memory_key(namespace, kind, k), v) for k, v in items.items() if len(v) <= cap]
         if not kept:
             return
+        timeout_s = self._opts.timeouts.write_s
+        link = self._write_link
+        if link is not None:
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            commands = [("SET", name, value, "PX", ttl_ms) for name, value in kept]
+
+            async def linked() -> None:
+                _raised(await link.execute(commands, deadline))
+
+            await self._guarded("remember", None, None, linked)
+            return
 
         async def run() -> None:
             pipe = self._client.pipeline(transaction=False)
@@ -308,7 +337,7 @@ class RedisStore:
                 pipe.set(name, value, px=ttl_ms)
             await pipe.execute()
 
-        await self._guarded("remember", self._opts.timeouts.write_s, None, run)
+        await self._guarded("remember", timeout_s, None, run)
 
     async def warm(self) -> bool:
         """Connect, learn a cluster's layout and load every script on every primary, once.
@@ -445,10 +474,7 @@ class RedisStore:
             )
             for i, r in zip(missing, again, strict=True):
                 results[i] = r
-        for r in results:
-            if isinstance(r, Exception):
-                raise r
-        return results
+        return _raised(results)
 
     async def _pipelined(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """``commands`` in one redis-py pipeline; errors as values in place.

@@ -1,4 +1,5 @@
-"""One pipelined connection to one Redis, for the store's scripts: the lookup's path.
+"""One pipelined connection to one Redis, for the store's scripts and its small memory: the
+request path's calls.
 
 redis-py's asyncio client spends some 250-400 µs of the proxy's CPU on one pipelined lookup
 (its connection pool, its pipeline object, the command and reply plumbing), several times the
@@ -6,7 +7,9 @@ loopback round trip the lookup waits for. ``RespLink`` is the least a client can
 packed by hiredis and written to one connection as they come, and the replies, parsed by
 hiredis, handed back in order to whoever is waiting for them. Concurrent callers share the
 connection (Redis answers a connection's commands in order); a caller that gave up (its deadline
-passed) leaves its replies to be read and dropped, so the ones behind stay matched.
+passed) leaves its replies to be read and dropped, so the ones behind stay matched. A call's
+deadline (``execute``) counts against Redis only a reply Redis had not sent when the proxy's
+event loop came to look, not one a busy loop read late.
 
 It speaks RESP2 to a plain Redis or Valkey over TCP (``redis://``) or a Unix socket
 (``unix://``), with the URL's password (and user) and database. TLS and Cluster URLs keep to

@@ -292,6 +292,12 @@ async def test_the_store_does_not_put_its_own_lag_down_to_redis(
         stall_the_loop(0.05)  # ten lookup deadlines
         assert await lookup == {"http://r:1": 3}
         assert not store.degraded and store.failures == 0
+        await store.remember("default", "form", {"k": b"v"}, ttl_s=60)
+        recall = asyncio.ensure_future(store.recall("default", "form", ["k", "j"]))
+        await asyncio.sleep(0)  # sent: the memory's calls take the link too
+        stall_the_loop(0.05)
+        assert await recall == [b"v", None]
+        assert not store.degraded and store.failures == 0
         own_redis_server.freeze()  # a Redis that does not answer still opens the breaker
         assert await store.longest_match("default", ["http://r:1"], [1, 2, 3]) == {}
         assert store.degraded and store.failures == 1
