@@ -38,11 +38,12 @@ Each proxy writes its own *absolute* in-flight count per replica (it keeps the c
 so a write lost to a Redis blip is healed by the next one instead of drifting for ever.
 
 Every call is bounded (``StoreTimeouts``) and guarded by a circuit breaker (``StoreHealth``):
-Redis down, hung or restarted costs a request at most ``lookup_s``, and the store reconnects by
-itself (redis-py opens a new connection on the next call after one was dropped). The scripts'
-deadline is their link's (``RespLink.execute``): a call fails only if Redis had not answered
-when the loop came to look, so a proxy whose own loop runs late does not open the breaker on a
-Redis that answered in time.
+Redis down, hung or restarted costs a request ``lookup_s`` (and what the proxy's own loop is
+late by), and the store reconnects by itself (redis-py opens a new connection on the next call
+after one was dropped). The deadline of a call on the scripts' link (the scripts, ``recall``,
+``remember``) is the link's (``RespLink.execute``): the call fails only if Redis had not
+answered when the loop came to look, so a proxy whose own loop runs late does not open the
+breaker on a Redis that answered in time.
 
 Redis Cluster (``redis+cluster://`` / ``rediss+cluster://``; the client and its layout are
 ``proxy.store.redis_cluster``'s): pipelines are split per node and sent in parallel. One
@@ -431,10 +432,9 @@ class RedisStore:
                 return answer(await self._eval_all(calls, writes=writes))
 
             return await self._guarded(op, timeout_s, neutral, run)
-        deadline = asyncio.get_running_loop().time() + timeout_s
 
         async def bounded() -> T:
-            return answer(await self._eval_all(calls, writes=writes, deadline=deadline))
+            return answer(await self._eval_all(calls, writes=writes, timeout_s=timeout_s))
 
         return await self._guarded(op, None, neutral, bounded)
 
@@ -443,18 +443,21 @@ class RedisStore:
         calls: Sequence[_Call],
         *,
         writes: bool = False,
-        deadline: float | None = None,
+        timeout_s: float | None = None,
     ) -> list[Any]:
         """Run each (script, keys, args) in one pipelined round trip (one per node, in parallel,
-        on a cluster). ``deadline``: the scripts' link's (``_scripts``); both round trips of a
-        restart keep to it.
+        on a cluster). ``timeout_s``: the scripts' link's deadline (``_scripts``), from now.
 
         After a Redis restart the script cache is empty: the calls that failed for it are sent
         once more with the scripts' source (``EVAL`` runs and caches them), one more round trip
         in all, so that the first lookup after a restart still fits its deadline. Only those
-        calls run again: a script that did run is never applied twice.
+        calls run again: a script that did run is never applied twice. Should the first round
+        trip's replies have been read past the deadline (the loop's lag: they count), the second
+        has a window of its own, else it would be given up before Redis could answer it.
         """
         link = self._write_link if writes else self._link
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
 
         async def send(commands: list[Command]) -> list[Any]:
             if link is None:
@@ -466,6 +469,8 @@ class RedisStore:
         )
         missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
         if missing:
+            if deadline is not None and timeout_s is not None and loop.time() >= deadline:
+                deadline = loop.time() + timeout_s
             again = await send(
                 [
                     ("EVAL", calls[i][0].source, len(calls[i][1]), *calls[i][1], *calls[i][2])

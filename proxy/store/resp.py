@@ -165,7 +165,9 @@ def _expire(future: asyncio.Future[list[Any]], loop: asyncio.AbstractEventLoop) 
     read first and this finds the call done. A reply that came while that turn's callbacks ran
     is read at the start of the next turn, before the timers due then (``call_later(0)``
     lands there): the call fails only if its replies are still missing after that read, i.e.
-    Redis had not answered when the loop came to look.
+    Redis had not answered when the loop came to look. (This is the selector event loop's
+    order, the one the proxy runs on. A reply larger than one read, 256 KiB, may still need a
+    turn more: the store's replies are numbers and short lists.)
     """
     if not future.done():
         loop.call_later(0.0, _time_out, future)
@@ -173,7 +175,7 @@ def _expire(future: asyncio.Future[list[Any]], loop: asyncio.AbstractEventLoop) 
 
 def _time_out(future: asyncio.Future[list[Any]]) -> None:
     if not future.done():
-        future.set_exception(TimeoutError())
+        future.set_exception(TimeoutError("no reply from Redis by the deadline"))
 
 
 class RespLink:
@@ -198,9 +200,12 @@ class RespLink:
         """The replies to ``commands``, sent in one write.
 
         ``deadline`` (the event loop's clock): TimeoutError if the replies have not been read
-        by then. It judges Redis, not the proxy: a reply that reached the socket before the
-        deadline passed counts even when a busy loop notices both late (see ``_expire``), where
-        a deadline that cancels the caller (``asyncio.timeout``) would fail the call.
+        by then. It judges Redis, not the proxy: replies waiting in the socket when the loop
+        comes to look count, even when a busy loop comes a few milliseconds late (``_expire``),
+        where a deadline that cancels the caller (``asyncio.timeout``) would fail the call.
+        A connect under way is still cut at the deadline as the loop sees it (it goes on in
+        the background and the next call uses it): a reconnect is rare, and takes several
+        turns of the loop that no single look could judge.
         """
         if not commands:
             return []

@@ -15,7 +15,7 @@ from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis_process import RedisServer
 
-from proxy.store import RedisStore, StoreOptions
+from proxy.store import RedisStore, StoreOptions, StoreTimeouts
 from proxy.store.resp import RespAddress, RespLink
 
 
@@ -303,4 +303,27 @@ async def test_the_store_does_not_put_its_own_lag_down_to_redis(
         assert store.degraded and store.failures == 1
     finally:
         own_redis_server.thaw()
+        await store.aclose()
+
+
+@pytest.mark.redis
+async def test_a_restarts_second_round_trip_has_its_own_window_after_a_late_first(
+    own_redis_server: RedisServer,
+) -> None:
+    """Redis lost its scripts (a restart): the lookup's first replies say so, read late by a
+    busy loop; the round trip that sends the scripts' source is not given up at once."""
+    opts = StoreOptions(timeouts=StoreTimeouts(lookup_s=0.02, write_s=0.05))
+    store = RedisStore.from_url(f"redis://127.0.0.1:{own_redis_server.port}/0", opts)
+    admin = redis.Redis(port=own_redis_server.port)
+    try:
+        assert await store.warm()
+        await store.record_prefix("default", "http://r:1", [1, 2, 3], 100)
+        admin.script_flush()
+        lookup = asyncio.ensure_future(store.longest_match("default", ["http://r:1"], [1, 2, 3]))
+        await asyncio.sleep(0)  # sent: Redis answers NOSCRIPT
+        stall_the_loop(0.1)  # five deadlines
+        assert await lookup == {"http://r:1": 3}
+        assert not store.degraded and store.failures == 0
+    finally:
+        admin.close()
         await store.aclose()
