@@ -7,7 +7,9 @@ it: ``RedisStore.from_url`` takes it for a ``redis://`` URL); these pin the conn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 import redis
@@ -195,22 +197,29 @@ def stall_the_loop(seconds: float) -> None:
     time.sleep(seconds)
 
 
+@contextlib.asynccontextmanager
+async def connected(server: RedisServer) -> AsyncIterator[RespLink]:
+    """A link to ``server``, its connection made (a call's deadline then covers Redis alone)."""
+    link = link_to(server)
+    try:
+        assert await link.execute([("PING",)]) == [b"PONG"]
+        yield link
+    finally:
+        await link.aclose()
+
+
 @pytest.mark.redis
 async def test_a_reply_a_busy_loop_notices_late_still_counts(
     own_redis_server: RedisServer,
 ) -> None:
     """The loop stalls past the deadline while Redis answers: the turn that finds the deadline
     due reads the reply first, and the call has its answer."""
-    link = link_to(own_redis_server)
     loop = asyncio.get_running_loop()
-    try:
-        assert await link.execute([("PING",)]) == [b"PONG"]  # connected
+    async with connected(own_redis_server) as link:
         call = asyncio.ensure_future(link.execute([("ECHO", "x")], loop.time() + 0.005))
         await asyncio.sleep(0)  # sent
         stall_the_loop(0.05)  # the deadline passes, Redis answers
         assert await call == [b"x"]
-    finally:
-        await link.aclose()
 
 
 @pytest.mark.redis
@@ -219,10 +228,8 @@ async def test_a_reply_that_comes_while_the_late_turn_runs_still_counts(
 ) -> None:
     """Redis answers while the late turn runs (after that turn's read, before its deadline
     timer): the call looks again after the loop's next read, and has its answer."""
-    link = link_to(own_redis_server)
     loop = asyncio.get_running_loop()
-    try:
-        assert await link.execute([("PING",)]) == [b"PONG"]
+    async with connected(own_redis_server) as link:
         own_redis_server.freeze()
         deadline = loop.time() + 0.01
 
@@ -235,18 +242,14 @@ async def test_a_reply_that_comes_while_the_late_turn_runs_still_counts(
         await asyncio.sleep(0)  # sent, to a frozen Redis
         stall_the_loop(0.02)  # past both: the next turn runs busy, then the deadline's timer
         assert await call == [b"y"]
-    finally:
-        await link.aclose()
 
 
 @pytest.mark.redis
 async def test_a_deadline_fails_the_call_redis_has_not_answered(
     own_redis_server: RedisServer,
 ) -> None:
-    link = link_to(own_redis_server)
     loop = asyncio.get_running_loop()
-    try:
-        assert await link.execute([("PING",)]) == [b"PONG"]
+    async with connected(own_redis_server) as link:
         own_redis_server.freeze()
         start = loop.time()
         with pytest.raises(TimeoutError):
@@ -257,8 +260,6 @@ async def test_a_deadline_fails_the_call_redis_has_not_answered(
             await link.execute([("ECHO", "late")], loop.time() + 0.02)
         await asyncio.sleep(0.1)
         assert await link.execute([("ECHO", "next")]) == [b"next"]  # still in step
-    finally:
-        await link.aclose()
 
 
 @pytest.mark.redis
