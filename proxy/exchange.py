@@ -81,6 +81,9 @@ class Exchange:
     """Told once, with the event (or whole answer) that carried the backend's first token."""
     forwarded: asyncio.Event | None = None
     """Set when the request is handed to the backend (work that can wait for it waits)."""
+    lookup_queued: bool = False
+    """The store's lookup went with the queued writes (``PrefixTracker.lookup``, deferred):
+    they are sent at the first token, or at once for an answer that is not streamed."""
     response_headers: dict[str, str] = field(default_factory=dict)
     """The proxy's own headers on the client's response (set before it starts)."""
     trace: TraceContext | None = None

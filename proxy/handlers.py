@@ -142,10 +142,14 @@ async def inference(request: web.Request) -> web.StreamResponse:
         ex.body = body = canonical.body
         if canonical.fired:
             ex.response_headers["X-Prefixgate-Canonical"] = ",".join(canonical.fired)
-        replicas = [r.url for r in state.fleet.replicas]
+        fleet = state.fleet.replicas
+        replicas = [r.url for r in fleet]
+        # One replica: the store's answer is only recorded, unless the scheduler waits for it.
+        deferred = len(fleet) == 1 and not state.scheduler.awaits_lookup(fleet[0])
         view = await state.tracker.lookup(
-            route, body, replicas, namespace=namespace, salt=tenant or ""
+            route, body, replicas, namespace=namespace, salt=tenant or "", deferred=deferred
         )
+        ex.lookup_queued = deferred and view.pending is not None
         obs.t_lookup = monotonic()
         if ex.affinity is not None:
             view = dataclasses.replace(view, affinity_key=ex.affinity.value)
@@ -184,6 +188,8 @@ async def inference(request: web.Request) -> web.StreamResponse:
     finally:
         if obs.t_end is None:
             obs.t_end = monotonic()
+        if ex.lookup_queued and ex.error != "client_disconnected":
+            await _lookup_answered(state, ex)
         settle_view(ex)
         record = build_record(
             ex,
@@ -260,6 +266,11 @@ async def _attempt(
         ex.obs.t_admitted = monotonic()
         admitted = True
         ex.on_first_token = ticket.first_token
+        if ex.lookup_queued and not ex.stream and tracker.writes is not None:
+            # The answer comes whole at the end, and the record needs the store's: the lookup
+            # goes now (at the loop's next turn, after the request). A stream's goes with the
+            # queued writes, after its first token (``_lookup_answered`` if it ends first).
+            tracker.writes.hurry()
         edited = edited or ticket.body_changed
         ex.upstream_body = out.raw
         if edited or ex.strip_usage:
@@ -283,6 +294,17 @@ async def _attempt(
         done = tracker.in_flight(view, replica.url, -1)
         if done is not None:
             state.writer.spawn(done)
+
+
+async def _lookup_answered(state: ProxyState, ex: Exchange) -> None:
+    """A stream can end before the queued writes its lookup rides with are sent: they go now,
+    and the record waits for the answer at most the store's lookup deadline (the client has
+    the whole answer already)."""
+    view, writes = ex.view, state.tracker.writes
+    if view is None or view.pending is None or view.pending.done() or writes is None:
+        return
+    writes.hurry()
+    await asyncio.wait((view.pending,), timeout=state.settings.timeouts.store)
 
 
 async def _after(event: asyncio.Event, work: Awaitable[None]) -> None:

@@ -20,7 +20,9 @@ A request that has one replica to go to needs none of the store's numbers to be 
 router answers ``single`` whatever they are), only to be recorded and learned from. With a
 store a round trip away (``remote_store``) its lookup is then sent and the request goes on
 without waiting for it (``PrefixView.pending``); the answer is folded into the view before the
-record is built (``settled``), or awaited by whatever needs it earlier (``answered``).
+record is built (``settled``), or awaited by whatever needs it earlier (``answered``). When
+nothing will await it (``deferred``), the lookup goes with the store's queued writes, ahead of
+them (``WriteBehind.lookup``): after the request's first token, not before it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,20 +214,29 @@ class PrefixTracker:
         *,
         namespace: str = DEFAULT_NAMESPACE,
         salt: str = "",
+        deferred: bool = False,
     ) -> PrefixView:
         """Fingerprint ``body``; read matches, loads and the shared depth (one round trip).
 
         With one replica and a remote store the round trip is not waited for: the view returned
         has this proxy's own numbers and the store's answer ``pending`` (module docstring).
+        ``deferred``: nothing will await that answer before the request's first token (only its
+        record needs it), so it may go with the queued writes (``WriteBehind.lookup``).
         """
         fp, rendered = fingerprint_with_data(
             route, body, block_bytes=self.block_bytes, salt=salt, memo=self.chains
         )
         hashes = fp.block_hashes
-        found = self.store.lookup(namespace, replicas, hashes)
         if self.remote_store and len(replicas) == 1:
+            writes = self.writes
+            queued = writes is not None and deferred
+            found = (
+                writes.lookup(namespace, replicas, hashes)
+                if queued and writes is not None
+                else self.store.lookup(namespace, replicas, hashes)
+            )
             return self._not_waited(fp, namespace, rendered, replicas, found)
-        answer = await found
+        answer = await self.store.lookup(namespace, replicas, hashes)
         local = self._local_in_flight
         matched: Mapping[str, int] = answer.matched
         if len(self.recent):  # this proxy's claims the store may not have yet
@@ -260,7 +271,7 @@ class PrefixTracker:
         namespace: str,
         rendered: bytes,
         replicas: Sequence[str],
-        found: Coroutine[Any, Any, LookupResult],
+        found: Awaitable[LookupResult],
     ) -> PrefixView:
         """The view at once, with this proxy's numbers as the request found them (before its
         own claim joins them); the store's answer folded in when it comes (``pending``)."""

@@ -245,6 +245,11 @@ class Scheduler:
         """Whether requests to ``replica`` may wait for an in-flight prefill of their prefix."""
         return self.config.coalesce and replica.dialect.capabilities.shared_prefix_cache
 
+    def awaits_lookup(self, replica: Replica) -> bool:
+        """Whether ``admit`` may wait for the store's answer to a lookup not waited for (the
+        coalescing path needs its match before the request goes)."""
+        return not self.pins(replica) and self.coalesces(replica)
+
     def _table(self, state: ReplicaState, replica: Replica) -> SlotTable:
         info = replica.info
         assert info is not None and info.slots

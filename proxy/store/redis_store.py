@@ -569,12 +569,22 @@ class RedisStore:
         self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
     ) -> LookupResult:
         """Index match, loads and traffic counts in one pipelined round trip."""
+        calls, answer = self._lookup_calls(namespace, replicas, hashes)
+        unavailable = LookupResult.unavailable()
+        return await self._scripts(
+            "lookup", self._opts.timeouts.lookup_s, unavailable, calls, answer
+        )
+
+    def _lookup_calls(
+        self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
+    ) -> tuple[list[_Call], Callable[[Sequence[Any]], LookupResult]]:
+        """A lookup's scripts, and what makes its answer of their results."""
         chain = pack_chain(hashes) if hashes and replicas else None
         calls = [self._traffic_read(namespace, hashes), self._loads_read(replicas)]
         if chain is not None:
             calls += [(LOOKUP, (self.index_key(namespace, r),), (chain,)) for r in replicas]
 
-        def answer(results: list[Any]) -> LookupResult:
+        def answer(results: Sequence[Any]) -> LookupResult:
             counts_raw, loads_raw, *found = results
             window, *counts = _numbers(counts_raw)
             matched = (
@@ -590,10 +600,7 @@ class RedisStore:
                 hash_counts=counts,
             )
 
-        unavailable = LookupResult.unavailable()
-        return await self._scripts(
-            "lookup", self._opts.timeouts.lookup_s, unavailable, calls, answer
-        )
+        return calls, answer
 
     async def traffic_counts(self, namespace: str, hashes: Sequence[int]) -> tuple[int, list[int]]:
         """Requests in the window and how many carried each leading hash (one script)."""
@@ -680,9 +687,18 @@ class RedisStore:
 
     async def apply_writes(self, batch: WriteBatch) -> None:
         """A batch of queued writes (``proxy.store.write_behind``) in one pipelined round trip:
-        each replica's in-flight count (absolute, as ``add_in_flight`` writes it), the traffic
-        counts, the chains and the statistics, in that order."""
+        its lookups (answered from the store as it was before the batch's writes), each
+        replica's in-flight count (absolute, as ``add_in_flight`` writes it), the traffic
+        counts, the chains and the statistics, in that order. The lookups of a batch that fails
+        are left unanswered (``WriteBatch.unanswered`` answers them as unavailable)."""
         calls: list[_Call] = []
+        reads: list[tuple[int, int, Callable[[Sequence[Any]], LookupResult]]] = []
+        for lookup in batch.lookups:
+            lookup_calls, answer = self._lookup_calls(
+                lookup.namespace, lookup.replicas, lookup.hashes
+            )
+            reads.append((len(calls), len(calls) + len(lookup_calls), answer))
+            calls += lookup_calls
         for replica, (_, delta) in batch.in_flight.items():
             self._count_in_flight(replica, delta)
             if replica not in self._in_flight_writing:  # else the writer under way writes it
@@ -697,7 +713,12 @@ class RedisStore:
             return
         # A batch takes Redis longer than one write: its bound grows with it (0.2 ms a script).
         limit_s = self._opts.timeouts.write_s + 0.0002 * len(calls)
-        await self._scripts("writes", limit_s, None, calls, _nothing, writes=True)
+
+        def answered(results: list[Any]) -> None:
+            for lookup, (start, end, answer) in zip(batch.lookups, reads, strict=True):
+                lookup.answer(answer(results[start:end]))
+
+        await self._scripts("writes", limit_s, None, calls, answered, writes=True)
 
     async def query_stats(
         self,

@@ -20,6 +20,12 @@ when the client sends its next turn, whose lookup then queues behind them in Red
 What this proxy reads itself is unaffected: its lookups see its own claims at once
 (``PrefixTracker.recent``) and its own in-flight counts (``local_in_flight``). Other proxies
 sharing the store, and this store's own answers, see a write up to ``delay_s`` later.
+
+A lookup nothing waits for (one replica: ``PrefixTracker``) rides in the batch too, ahead of its
+writes (``lookup``), so it reads the store as the request found it, never its own claim; the
+batch goes at once when someone does wait for the answer, or at the request's first token
+(``hurry``). Its round trip and Redis's work on it then fall after the first token, not between
+forwarding and it, where a request's time to first token is made.
 ``flush()`` applies everything queued (``RecordWriter.drain`` calls it, at shutdown and in
 tests); a failing store loses a batch as it would lose the single writes (never raised).
 """
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from proxy.log import get_logger
+from proxy.store.base import LookupResult
 
 if TYPE_CHECKING:
     from proxy.store.base import PrefixStore
@@ -60,18 +67,48 @@ class WriteBatch:
     in_flight: dict[str, tuple[str, int]] = field(default_factory=dict)
     """replica -> (namespace of its first change, summed change)."""
     stats: list[StatsSample] = field(default_factory=list)
+    lookups: list[Lookup] = field(default_factory=list)
+    """Lookups to answer before the writes are applied (a batch's reads come first)."""
 
     def __len__(self) -> int:
-        return len(self.records) + len(self.observes) + len(self.in_flight) + len(self.stats)
+        return (
+            len(self.records)
+            + len(self.observes)
+            + len(self.in_flight)
+            + len(self.stats)
+            + len(self.lookups)
+        )
+
+    def unanswered(self) -> None:
+        """Answer every lookup not answered yet as a store that failed would."""
+        for lookup in self.lookups:
+            lookup.answer(LookupResult.unavailable())
+
+
+@dataclass(slots=True)
+class Lookup:
+    """One queued ``PrefixStore.lookup``, and where its answer goes."""
+
+    namespace: str
+    replicas: Sequence[str]
+    hashes: Sequence[int]
+    future: asyncio.Future[LookupResult]
+
+    def answer(self, result: LookupResult) -> None:
+        if not self.future.done():
+            self.future.set_result(result)
 
 
 async def apply_batch(store: PrefixStore, batch: WriteBatch) -> None:
-    """Apply ``batch`` to ``store``: in one call where the store takes batches, else write by
-    write (the in-flight counts first, then the traffic, the chains and the statistics)."""
+    """Apply ``batch`` to ``store``: in one call where the store takes batches, else call by
+    call (the lookups first, then the in-flight counts, the traffic, the chains and the
+    statistics). Every lookup is answered, by a store that failed too."""
     batched = getattr(store, "apply_writes", None)
     if batched is not None:
         await batched(batch)
         return
+    for lookup in batch.lookups:
+        lookup.answer(await store.lookup(lookup.namespace, lookup.replicas, lookup.hashes))
     for replica, (namespace, delta) in batch.in_flight.items():
         if delta:
             await store.add_in_flight(namespace, replica, delta)
@@ -99,6 +136,8 @@ class WriteBehind:
         self._batch = WriteBatch()
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
+        self._hurried = False
+        """The queued batch goes as soon as the one under way is done (``hurry``)."""
         self.batches = 0
         """Batches applied since start-up (for tests and metrics)."""
         self.dropped = 0
@@ -140,6 +179,24 @@ class WriteBehind:
         self._batch.stats.append(sample)
         self._queued()
 
+    def lookup(
+        self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
+    ) -> asyncio.Future[LookupResult]:
+        """``PrefixStore.lookup``, sent with the next batch, before its writes (the request's own
+        claim and count among them): its answer, when it comes (a failing store's, too)."""
+        future: asyncio.Future[LookupResult] = asyncio.get_running_loop().create_future()
+        self._batch.lookups.append(Lookup(namespace, replicas, hashes, future))
+        self._queued()
+        return future
+
+    def hurry(self) -> None:
+        """Send what is queued now (after the batch under way, if one is): an answer is
+        awaited, or the moment that mattered has passed."""
+        if self._task is not None:
+            self._hurried = True
+        elif len(self._batch):
+            self._start()
+
     def _full(self) -> bool:
         """Whether the queue is at its limit (in-flight counts are never dropped: they are
         summed into one entry per replica, and a lost one would skew the shared loads)."""
@@ -155,7 +212,7 @@ class WriteBehind:
     def _queued(self) -> None:
         if self._task is not None:
             return  # the batch under way arms the next one when it is done
-        if len(self._batch) >= self.max_pending:
+        if len(self._batch) >= self.max_pending or self._hurried:
             self._start()
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.delay_s, self._start)
@@ -165,16 +222,18 @@ class WriteBehind:
             self._timer.cancel()
             self._timer = None
         if self._task is None and len(self._batch):
+            self._hurried = False
             self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
+        batch, self._batch = self._batch, WriteBatch()
         try:
-            batch, self._batch = self._batch, WriteBatch()
             await apply_batch(self.store, batch)
             self.batches += 1
         except Exception as exc:  # a store never raises; a bug here must not stop the writes
             log.error("store_writes_failed", error=type(exc).__name__, writes=len(batch))
         finally:
+            batch.unanswered()  # (cancelled at shutdown too: nobody waits for ever)
             self._task = None
             if len(self._batch):
                 self._queued()

@@ -152,3 +152,38 @@ async def test_a_fast_failure_leaves_no_load_behind(
     view = await state.tracker.lookup(CHAT, conversation(0, 1), [fake.url])
     assert view.available
     assert view.loads == {fake.url: 0.0}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_one_replica_the_lookup_rides_with_the_writes_and_the_record_has_its_answer(
+    llama_fake: LlamaFake, make_proxy: MakeProxy, redis_server: RedisServer, stream: bool
+) -> None:
+    """With one replica nothing waits for the store's lookup: it goes with the queued writes,
+    ahead of them. A request that ends before they are sent (here: a long write delay) sends
+    them then, and its record still has the store's answer (the misses explained, not
+    'unexplained'); no request's lookup sees its own claim."""
+    client, records, app = await make_proxy(
+        llama_fake.url,
+        redis_url=redis_server.url,
+        timeouts=Timeouts(connect=2, idle=10, store=0.5),
+        store_write_delay_ms=60_000.0,
+    )
+    writes = app[STATE].tracker.writes
+    assert writes is not None
+    for turn in range(3):
+        body = {**conversation(7, turn + 1), "stream": stream}
+        async with client.post("/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            await resp.read()
+        record = await records.wait(turn + 1)
+        assert writes.batches >= turn + 1  # sent by the request, not 60 s later
+        assert record.cached_tokens is not None and record.prompt_tokens is not None
+        uncached = record.prompt_tokens - record.cached_tokens
+        assert uncached > 0  # (a store that did not answer leaves all of it unexplained)
+        assert record.miss_unexplained_tokens is not None
+        assert record.miss_unexplained_tokens < uncached
+    first = records[0]
+    assert first.predicted_cached_tokens == 0  # not its own claim, written right after
+    assert records[2].predicted_cached_tokens  # the earlier turns' claims
+    store = app[STATE].store
+    assert isinstance(store, RedisStore) and not store.degraded

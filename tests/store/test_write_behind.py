@@ -14,10 +14,10 @@ import time
 from typing import Any
 
 import pytest
-from redis_process import StoreFactory
+from redis_process import RedisServer, StoreFactory
 from test_store_stats import sample
 
-from proxy.store import PrefixStore
+from proxy.store import LookupResult, PrefixStore, RedisStore, StoreOptions, StoreTimeouts
 from proxy.store.write_behind import QUEUE_LIMIT, WriteBatch, WriteBehind, apply_batch
 
 NOW = time.time()
@@ -215,3 +215,100 @@ async def test_a_store_slower_than_the_traffic_drops_writes_past_the_limit() -> 
     gate.set()
     await behind.flush()
     assert len(double.calls) == 1 + QUEUE_LIMIT * 2 + 1
+
+
+# -- a lookup nothing waits for, queued with the writes ------------------------------------------
+
+
+async def test_a_queued_lookup_reads_the_store_before_the_writes_queued_after_it(
+    store: PrefixStore,
+) -> None:
+    """The lookup goes with the batch, ahead of it: it sees an earlier request's claim, never
+    the request's own claim, count and traffic queued after it."""
+    await store.record_prefix("default", R1, [1, 2], 100)  # an earlier request's
+    behind = WriteBehind(store, delay_s=60.0)  # sent only when hurried
+    found = behind.lookup("default", [R1], [1, 2, 3])
+    behind.add_in_flight("default", R1, +1)
+    behind.observe_traffic("default", [1, 2, 3])
+    behind.record_prefix("default", R1, [1, 2, 3], 100)  # its own claim
+    await asyncio.sleep(0.01)
+    assert not found.done() and behind.pending == 4
+    behind.hurry()
+    got = await asyncio.wait_for(found, 5.0)
+    assert got.available and got.matched == {R1: 2} and got.loads == {R1: 0.0}
+    assert got.window_requests == 0 and got.hash_counts == [0, 0, 0]
+    await behind.flush()
+    assert (await store.lookup("default", [R1], [1, 2, 3])).matched == {R1: 3}  # written after
+
+
+async def test_hurry_sends_the_queue_after_the_batch_under_way() -> None:
+    gate = asyncio.Event()
+
+    class Slow(Counting):
+        async def add_stats(self, *args: Any) -> None:
+            await gate.wait()
+            self._call("add_stats", args)
+
+    double = Slow()
+    behind = WriteBehind(double, delay_s=60.0)  # type: ignore[arg-type]
+    behind.add_stats(sample(BASE))
+    behind.hurry()
+    await asyncio.sleep(0.01)  # under way, stuck on the gate
+    behind.add_in_flight("default", R1, +1)
+    behind.hurry()  # noted: it goes when the one under way is done, not 60 s later
+    gate.set()
+    for _ in range(100):
+        if behind.batches == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert behind.batches == 2 and behind.pending == 0
+    assert [name for name, _ in double.calls] == ["add_stats", "add_in_flight"]
+
+
+async def test_every_queued_lookup_is_answered_whatever_becomes_of_its_batch() -> None:
+    """A batch that fails (a bug: stores never raise), or that is cancelled at shutdown,
+    answers its lookups as a failed store would: nobody waits for ever."""
+
+    class Broken(Counting):
+        async def lookup(self, *args: Any) -> LookupResult:
+            raise RuntimeError("boom")
+
+    behind = WriteBehind(Broken(), delay_s=60.0)  # type: ignore[arg-type]
+    found = behind.lookup("default", [R1], [1])
+    await behind.flush()
+    assert (await found) == LookupResult.unavailable()
+
+    gate = asyncio.Event()
+
+    class Stuck(Counting):
+        async def lookup(self, *args: Any) -> LookupResult:
+            await gate.wait()
+            raise AssertionError("never reached")
+
+    behind = WriteBehind(Stuck(), delay_s=0.0)  # type: ignore[arg-type]
+    found = behind.lookup("default", [R1], [1])
+    await asyncio.sleep(0.01)
+    assert behind._task is not None
+    behind._task.cancel()
+    assert (await asyncio.wait_for(found, 1.0)) == LookupResult.unavailable()
+
+
+@pytest.mark.redis
+async def test_a_queued_lookup_to_a_redis_that_is_down_answers_unavailable(
+    own_redis_server: RedisServer,
+) -> None:
+    opts = StoreOptions(timeouts=StoreTimeouts(lookup_s=0.05, write_s=0.05, breaker_s=0.0))
+    store = RedisStore.from_url(own_redis_server.url, opts)
+    try:
+        behind = WriteBehind(store, delay_s=60.0)
+        found = behind.lookup("default", [R1], [1, 2])
+        behind.hurry()
+        assert (await asyncio.wait_for(found, 5.0)).available
+        own_redis_server.kill()
+        found = behind.lookup("default", [R1], [1, 2])
+        behind.record_prefix("default", R1, [1, 2], 100)
+        behind.hurry()
+        assert (await asyncio.wait_for(found, 5.0)) == LookupResult.unavailable()
+        assert store.degraded
+    finally:
+        await store.aclose()
