@@ -149,7 +149,9 @@ async def inference(request: web.Request) -> web.StreamResponse:
         view = await state.tracker.lookup(
             route, body, replicas, namespace=namespace, salt=tenant or "", deferred=deferred
         )
-        ex.lookup_queued = deferred and view.pending is not None
+        ex.lookup_queued = (
+            deferred and view.pending is not None and state.tracker.writes is not None
+        )
         obs.t_lookup = monotonic()
         if ex.affinity is not None:
             view = dataclasses.replace(view, affinity_key=ex.affinity.value)
@@ -188,8 +190,12 @@ async def inference(request: web.Request) -> web.StreamResponse:
     finally:
         if obs.t_end is None:
             obs.t_end = monotonic()
-        if ex.lookup_queued and ex.error != "client_disconnected":
-            await _lookup_answered(state, ex)
+        cut_short = False
+        if ex.lookup_queued:
+            try:
+                await _lookup_answered(state, ex)
+            except asyncio.CancelledError:  # while waiting (shutdown): the record still goes
+                cut_short = True
         settle_view(ex)
         record = build_record(
             ex,
@@ -200,6 +206,8 @@ async def inference(request: web.Request) -> web.StreamResponse:
             misses=state.misses,
         )
         state.writer.emit(record, ex)
+        if cut_short:
+            raise asyncio.CancelledError
 
 
 async def _attempt(
@@ -266,11 +274,6 @@ async def _attempt(
         ex.obs.t_admitted = monotonic()
         admitted = True
         ex.on_first_token = ticket.first_token
-        if ex.lookup_queued and not ex.stream and tracker.writes is not None:
-            # The answer comes whole at the end, and the record needs the store's: the lookup
-            # goes now (at the loop's next turn, after the request). A stream's goes with the
-            # queued writes, after its first token (``_lookup_answered`` if it ends first).
-            tracker.writes.hurry()
         edited = edited or ticket.body_changed
         ex.upstream_body = out.raw
         if edited or ex.strip_usage:
@@ -297,14 +300,16 @@ async def _attempt(
 
 
 async def _lookup_answered(state: ProxyState, ex: Exchange) -> None:
-    """A stream can end before the queued writes its lookup rides with are sent: they go now,
-    and the record waits for the answer at most the store's lookup deadline (the client has
-    the whole answer already)."""
+    """A request can end before the queued writes its lookup rides with are sent: they go now.
+    When its answer has been sent in full (every success: the relay writes it before the
+    handler ends), the record waits for the store's answer at most the store's lookup deadline;
+    an error answer, sent only after this, and a client gone do not wait."""
     view, writes = ex.view, state.tracker.writes
     if view is None or view.pending is None or view.pending.done() or writes is None:
         return
     writes.hurry()
-    await asyncio.wait((view.pending,), timeout=state.settings.timeouts.store)
+    if ex.error is None:
+        await asyncio.wait((view.pending,), timeout=state.settings.timeouts.store)
 
 
 async def _after(event: asyncio.Event, work: Awaitable[None]) -> None:

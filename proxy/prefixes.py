@@ -22,7 +22,8 @@ store a round trip away (``remote_store``) its lookup is then sent and the reque
 without waiting for it (``PrefixView.pending``); the answer is folded into the view before the
 record is built (``settled``), or awaited by whatever needs it earlier (``answered``). When
 nothing will await it (``deferred``), the lookup goes with the store's queued writes, ahead of
-them (``WriteBehind.lookup``): after the request's first token, not before it.
+them (``WriteBehind.lookup``): with the batch, ``delay_s`` after its first write (after the
+first token of a request that has one sooner), or at the request's end, whichever comes first.
 """
 
 from __future__ import annotations
@@ -436,7 +437,10 @@ class PrefixTracker:
 
     async def flush(self) -> None:
         """Let the lookups not waited for end (each within its deadline), then apply the store
-        writes queued (write behind; nothing to apply without it)."""
+        writes queued (write behind; nothing to apply without it). Lookups queued with the
+        writes are sent first, with them (else they would wait for the writes' timer)."""
+        if self.writes is not None:
+            self.writes.hurry()
         if self._lookups:
             await asyncio.wait(list(self._lookups))
         if self.writes is not None:

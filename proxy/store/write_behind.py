@@ -22,10 +22,13 @@ What this proxy reads itself is unaffected: its lookups see its own claims at on
 sharing the store, and this store's own answers, see a write up to ``delay_s`` later.
 
 A lookup nothing waits for (one replica: ``PrefixTracker``) rides in the batch too, ahead of its
-writes (``lookup``), so it reads the store as the request found it, never its own claim; the
-batch goes at once when someone does wait for the answer, or at the request's first token
-(``hurry``). Its round trip and Redis's work on it then fall after the first token, not between
-forwarding and it, where a request's time to first token is made.
+writes (``lookup``), so it never reads its own request's claim (queued after it; it does read
+what other requests wrote meanwhile). The batch goes at its timer, or at once when a request
+that ended needs the answer for its record (``hurry``). The lookup's round trip and Redis's work
+on it then fall after the first token of a request whose first token comes within ``delay_s``,
+not between forwarding and it, where a request's time to first token is made. A failed batch
+answers its lookups as a failed store does; they share the writes' deadline, not the request
+path's (nothing on the request path waits for them).
 ``flush()`` applies everything queued (``RecordWriter.drain`` calls it, at shutdown and in
 tests); a failing store loses a batch as it would lose the single writes (never raised).
 """
@@ -192,9 +195,11 @@ class WriteBehind:
     def hurry(self) -> None:
         """Send what is queued now (after the batch under way, if one is): an answer is
         awaited, or the moment that mattered has passed."""
+        if not len(self._batch):
+            return  # (a lookup in the batch under way is answered with it)
         if self._task is not None:
             self._hurried = True
-        elif len(self._batch):
+        else:
             self._start()
 
     def _full(self) -> bool:
@@ -237,6 +242,8 @@ class WriteBehind:
             self._task = None
             if len(self._batch):
                 self._queued()
+            else:
+                self._hurried = False
 
     async def flush(self) -> None:
         """Apply everything queued now (and wait for a batch already under way)."""

@@ -160,8 +160,9 @@ async def test_one_replica_the_lookup_rides_with_the_writes_and_the_record_has_i
 ) -> None:
     """With one replica nothing waits for the store's lookup: it goes with the queued writes,
     ahead of them. A request that ends before they are sent (here: a long write delay) sends
-    them then, and its record still has the store's answer (the misses explained, not
-    'unexplained'); no request's lookup sees its own claim."""
+    them then, and its record still has the store's answer (the misses explained, not all
+    'unexplained': without the wait at the request's end the record is built first); no
+    request's lookup sees its own claim (the ordering itself: test_write_behind)."""
     client, records, app = await make_proxy(
         llama_fake.url,
         redis_url=redis_server.url,

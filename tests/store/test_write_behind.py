@@ -297,7 +297,9 @@ async def test_every_queued_lookup_is_answered_whatever_becomes_of_its_batch() -
 async def test_a_queued_lookup_to_a_redis_that_is_down_answers_unavailable(
     own_redis_server: RedisServer,
 ) -> None:
-    opts = StoreOptions(timeouts=StoreTimeouts(lookup_s=0.05, write_s=0.05, breaker_s=0.0))
+    # Generous deadlines: the first batch connects and loads the scripts on a busy machine;
+    # a Redis that is down refuses at once.
+    opts = StoreOptions(timeouts=StoreTimeouts(lookup_s=1.0, write_s=1.0, breaker_s=0.0))
     store = RedisStore.from_url(own_redis_server.url, opts)
     try:
         behind = WriteBehind(store, delay_s=60.0)
@@ -312,3 +314,23 @@ async def test_a_queued_lookup_to_a_redis_that_is_down_answers_unavailable(
         assert store.degraded
     finally:
         await store.aclose()
+
+
+async def test_a_hurry_with_nothing_queued_leaves_the_next_writes_to_their_timer() -> None:
+    gate = asyncio.Event()
+
+    class Slow(Counting):
+        async def add_stats(self, *args: Any) -> None:
+            await gate.wait()
+            self._call("add_stats", args)
+
+    behind = WriteBehind(Slow(), delay_s=60.0)  # type: ignore[arg-type]
+    behind.add_stats(sample(BASE))
+    behind.hurry()
+    await asyncio.sleep(0.01)  # under way
+    behind.hurry()  # nothing queued: nothing to hurry
+    gate.set()
+    await asyncio.sleep(0.01)
+    behind.add_in_flight("default", R1, +1)
+    await asyncio.sleep(0.02)
+    assert behind.batches == 1 and behind.pending == 1  # waits for its timer, batched

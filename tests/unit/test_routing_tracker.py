@@ -368,3 +368,22 @@ async def test_a_lookup_that_fails_is_logged_not_lost() -> None:
         await asyncio.sleep(0)
     assert [e["event"] for e in logs] == ["lookup_failed"]
     assert not settled(view).available
+
+
+async def test_a_deferred_lookup_rides_with_the_writes_and_flush_does_not_wait_their_timer() -> (
+    None
+):
+    """One replica, a remote store, nothing waiting: the lookup is queued with the writes (not
+    sent) until they go; flushing sends both at once rather than after the writes' delay."""
+    store = EmbeddedStore()
+    tracker = PrefixTracker(store, block_bytes=BLOCK, write_delay_s=60.0, remote_store=True)
+    assert tracker.writes is not None
+    view = await tracker.lookup(CHAT, body("hi"), ["http://r:1"], deferred=True)
+    assert view.pending is not None and tracker.writes.pending == 1
+    await asyncio.sleep(0.01)
+    assert not view.pending.done()  # queued: sent with the writes
+    await asyncio.wait_for(tracker.flush(), 1.0)
+    assert view.pending.done() and settled(view).available
+    waited = await tracker.lookup(CHAT, body("hi"), ["http://r:1"])  # not deferred: sent now
+    assert waited.pending is not None and tracker.writes.pending == 0
+    assert (await answered(waited)).available
