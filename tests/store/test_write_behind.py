@@ -14,10 +14,10 @@ import time
 from typing import Any
 
 import pytest
-from redis_process import RedisServer, StoreFactory
+from redis_process import RELAXED, RedisServer, StoreFactory
 from test_store_stats import sample
 
-from proxy.store import LookupResult, PrefixStore, RedisStore, StoreOptions, StoreTimeouts
+from proxy.store import LookupResult, PrefixStore, RedisStore, StoreOptions
 from proxy.store.write_behind import QUEUE_LIMIT, WriteBatch, WriteBehind, apply_batch
 
 NOW = time.time()
@@ -159,6 +159,18 @@ class Counting:
         self.calls.append((name, args))
 
 
+class Gated(Counting):
+    """A store double whose statistics writes wait for ``gate`` (a store slow to answer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def add_stats(self, *args: Any) -> None:
+        await self.gate.wait()
+        self._call("add_stats", args)
+
+
 async def test_a_chain_written_twice_is_written_once_and_counts_are_summed() -> None:
     double = Counting()
     behind = WriteBehind(double, delay_s=60.0)  # type: ignore[arg-type]
@@ -197,14 +209,8 @@ async def test_an_empty_batch_writes_nothing(store: PrefixStore) -> None:
 async def test_a_store_slower_than_the_traffic_drops_writes_past_the_limit() -> None:
     """While a batch is under way the queue grows; past its limit new writes are dropped and
     counted (in-flight counts never are), as writes to a store that is down are lost."""
-    gate = asyncio.Event()
-
-    class Slow(Counting):
-        async def add_stats(self, *args: Any) -> None:
-            await gate.wait()
-            self._call("add_stats", args)
-
-    double = Slow()
+    double = Gated()
+    gate = double.gate
     behind = WriteBehind(double, delay_s=0.0, max_pending=2)  # type: ignore[arg-type]
     behind.add_stats(sample(BASE))
     await asyncio.sleep(0.01)  # the first batch is under way, stuck on the gate
@@ -241,19 +247,19 @@ async def test_a_queued_lookup_reads_the_store_before_the_writes_queued_after_it
     assert (await store.lookup("default", [R1], [1, 2, 3])).matched == {R1: 3}  # written after
 
 
-async def test_hurry_sends_the_queue_after_the_batch_under_way() -> None:
-    gate = asyncio.Event()
-
-    class Slow(Counting):
-        async def add_stats(self, *args: Any) -> None:
-            await gate.wait()
-            self._call("add_stats", args)
-
-    double = Slow()
+async def batch_under_way() -> tuple[Gated, WriteBehind]:
+    """A write-behind with a long delay whose first batch, hurried, is stuck in the store."""
+    double = Gated()
     behind = WriteBehind(double, delay_s=60.0)  # type: ignore[arg-type]
     behind.add_stats(sample(BASE))
     behind.hurry()
     await asyncio.sleep(0.01)  # under way, stuck on the gate
+    return double, behind
+
+
+async def test_hurry_sends_the_queue_after_the_batch_under_way() -> None:
+    double, behind = await batch_under_way()
+    gate = double.gate
     behind.add_in_flight("default", R1, +1)
     behind.hurry()  # noted: it goes when the one under way is done, not 60 s later
     gate.set()
@@ -297,10 +303,9 @@ async def test_every_queued_lookup_is_answered_whatever_becomes_of_its_batch() -
 async def test_a_queued_lookup_to_a_redis_that_is_down_answers_unavailable(
     own_redis_server: RedisServer,
 ) -> None:
-    # Generous deadlines: the first batch connects and loads the scripts on a busy machine;
+    # Generous deadlines (the first batch connects and loads the scripts on a busy machine):
     # a Redis that is down refuses at once.
-    opts = StoreOptions(timeouts=StoreTimeouts(lookup_s=1.0, write_s=1.0, breaker_s=0.0))
-    store = RedisStore.from_url(own_redis_server.url, opts)
+    store = RedisStore.from_url(own_redis_server.url, StoreOptions(timeouts=RELAXED))
     try:
         behind = WriteBehind(store, delay_s=60.0)
         found = behind.lookup("default", [R1], [1, 2])
@@ -317,19 +322,9 @@ async def test_a_queued_lookup_to_a_redis_that_is_down_answers_unavailable(
 
 
 async def test_a_hurry_with_nothing_queued_leaves_the_next_writes_to_their_timer() -> None:
-    gate = asyncio.Event()
-
-    class Slow(Counting):
-        async def add_stats(self, *args: Any) -> None:
-            await gate.wait()
-            self._call("add_stats", args)
-
-    behind = WriteBehind(Slow(), delay_s=60.0)  # type: ignore[arg-type]
-    behind.add_stats(sample(BASE))
-    behind.hurry()
-    await asyncio.sleep(0.01)  # under way
+    double, behind = await batch_under_way()
     behind.hurry()  # nothing queued: nothing to hurry
-    gate.set()
+    double.gate.set()
     await asyncio.sleep(0.01)
     behind.add_in_flight("default", R1, +1)
     await asyncio.sleep(0.02)
