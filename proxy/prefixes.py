@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -103,6 +104,27 @@ def settled(view: PrefixView) -> PrefixView:
         available=found.available,
         pending=None,
     )
+
+
+def _fold(
+    pending: asyncio.Future[PrefixView],
+    view: Callable[[LookupResult], PrefixView],
+    found: asyncio.Future[LookupResult],
+) -> None:
+    """``found``'s outcome as ``pending``'s, the answer made a view (a callback: no task)."""
+    if pending.done():
+        return
+    if found.cancelled():
+        pending.cancel()
+        return
+    error = found.exception()
+    if error is None:
+        try:
+            pending.set_result(view(found.result()))
+            return
+        except Exception as exc:  # (a bug in folding: logged by ``_answered``)
+            error = exc
+    pending.set_exception(error)
 
 
 async def answered(view: PrefixView) -> PrefixView:
@@ -230,10 +252,9 @@ class PrefixTracker:
         hashes = fp.block_hashes
         if self.remote_store and len(replicas) == 1:
             writes = self.writes
-            queued = writes is not None and deferred
             found = (
                 writes.lookup(namespace, replicas, hashes)
-                if queued and writes is not None
+                if writes is not None and deferred
                 else self.store.lookup(namespace, replicas, hashes)
             )
             return self._not_waited(fp, namespace, rendered, replicas, found)
@@ -280,23 +301,31 @@ class PrefixTracker:
         recent = self._with_recent(namespace, replicas, hashes, {}) if len(self.recent) else {}
         local = {r: float(self._local_in_flight.get(r, 0)) for r in replicas}
 
-        async def answer() -> PrefixView:
-            got = await found
+        def view(got: LookupResult) -> PrefixView:
             matched = got.matched
             if recent:
                 matched = {r: max(got.matched.get(r, 0), m) for r, m in recent.items()}
             return self._view(fp, namespace, rendered, got, matched, local)
 
-        task = asyncio.ensure_future(answer())
-        self._lookups.add(task)
-        task.add_done_callback(self._answered)
+        pending: asyncio.Future[PrefixView]
+        if isinstance(found, asyncio.Future):  # queued with the writes: folded in as it comes
+            pending = asyncio.get_running_loop().create_future()
+            found.add_done_callback(functools.partial(_fold, pending, view))
+        else:
+
+            async def answer() -> PrefixView:
+                return view(await found)
+
+            pending = asyncio.ensure_future(answer())
+        self._lookups.add(pending)
+        pending.add_done_callback(self._answered)
         return PrefixView(
             fp=fp,
             namespace=namespace,
             matched_blocks=recent,
             rendered=rendered,
             loads=local,
-            pending=task,
+            pending=pending,
         )
 
     def _answered(self, task: asyncio.Future[PrefixView]) -> None:

@@ -387,3 +387,23 @@ async def test_a_deferred_lookup_rides_with_the_writes_and_flush_does_not_wait_t
     waited = await tracker.lookup(CHAT, body("hi"), ["http://r:1"])  # not deferred: sent now
     assert waited.pending is not None and tracker.writes.pending == 0
     assert (await answered(waited)).available
+
+
+async def test_a_queued_lookup_that_fails_or_is_cancelled_settles_unavailable() -> None:
+    """The view of a lookup queued with the writes follows its answer: a failure or a
+    cancellation (shutting down) leaves the proxy's own numbers, marked unavailable."""
+    store = EmbeddedStore()
+    tracker = PrefixTracker(store, block_bytes=BLOCK, write_delay_s=60.0, remote_store=True)
+    assert tracker.writes is not None
+    views = [await tracker.lookup(CHAT, body(f"q{i}"), [R1], deferred=True) for i in range(2)]
+    failing, cancelled = (tracker.writes._batch.lookups[i].future for i in range(2))
+    failing.set_exception(ConnectionError("gone"))
+    cancelled.cancel()
+    with capture_logs() as logs:
+        for _ in range(2):  # the answers' callbacks, then the views'
+            await asyncio.sleep(0)
+    for view in views:
+        assert view.pending is not None and view.pending.done()
+        assert not settled(view).available
+    assert [e["event"] for e in logs] == ["lookup_failed"]
+    tracker.writes._batch.lookups.clear()
