@@ -107,7 +107,7 @@ async def zmscore_lookup(store: RedisStore, hashes: tuple[int, ...]) -> dict[str
     pipe = store.client.pipeline(transaction=False)
     for replica in REPLICAS:
         # redis-py annotates members as str; bytes are sent as they are.
-        pipe.zmscore(store.index_key("default", replica), members)  # type: ignore[arg-type]
+        pipe.zmscore(store.keys.index_key("default", replica), members)  # type: ignore[arg-type]
     out = {}
     for replica, scores in zip(REPLICAS, await pipe.execute(), strict=True):
         n = 0

@@ -10,7 +10,10 @@ Module map::
 
     base.py           PrefixStore protocol, LookupResult, StoreOptions / StoreTimeouts, leading_run
     embedded.py       EmbeddedStore: dicts and OrderedDict LRUs in this process
-    redis_store.py    RedisStore: key layout (cluster hash tags), bounded calls, breaker
+    redis_store.py    RedisStore: the operations, the in-flight writer, batched writes
+    redis_calls.py    RedisCalls: the store's connections, bounded and guarded calls, breaker
+    redis_layout.py   RedisLayout: the key layout (cluster hash tags), each operation's scripts
+    redis_stats.py    the statistics' script runs and reads
     redis_cluster.py  Redis Cluster: its URLs, its client, learning its slots off the call path
     redis_scripts.py  the Lua the Redis store runs (lookup, record, add_stats, routing inputs)
     health.py         StoreHealth: circuit breaker, one log line per incident

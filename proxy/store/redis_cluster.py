@@ -3,7 +3,7 @@
 ``redis+cluster://[user:password@]host:port[,host:port...][/0][?option=value...]``
 (``rediss+cluster://`` for TLS) opens redis-py's ``RedisCluster``; the hosts are seed nodes.
 The store's keys are laid out by hash tag so that every script touches one slot (see
-``proxy.store.redis_store``); what this module adds is the client and its layout.
+``proxy.store.redis_layout``); what this module adds is the client and its layout.
 
 Learning the layout (``CLUSTER SLOTS`` and ``COMMAND``, some 20 ms) is longer than a lookup's
 5 ms deadline, so it never runs under one: ``ClusterLayout`` runs it in a task of its own,

@@ -71,7 +71,7 @@ def namespace_on(store: RedisStore, cluster: RedisClusterServer, port: int) -> s
     """A namespace whose routing slot lives on the node at ``port``."""
     for i in range(1000):
         ns = f"tenant-{i}"
-        if cluster.port_of_slot(slot(store.index_key(ns, R1))) == port:
+        if cluster.port_of_slot(slot(store.keys.index_key(ns, R1))) == port:
             return ns
     raise AssertionError(f"no namespace routes to {port}")
 
@@ -132,14 +132,14 @@ async def test_a_namespace_routing_keys_share_one_slot_and_namespaces_spread(
     store = RedisStore.from_url(redis_cluster.url, StoreOptions(timeouts=RELAXED))
     try:
         ns = "tenant-a"
-        routing = {store.index_key(ns, r) for r in (R1, R2, R3)}
-        routing |= {store.traffic_key(ns, b) for b in (100, 101)}
+        routing = {store.keys.index_key(ns, r) for r in (R1, R2, R3)}
+        routing |= {store.keys.traffic_key(ns, b) for b in (100, 101)}
         assert len({slot(k) for k in routing}) == 1
-        stats_slot = slot(store._stats_key(ns, "m", 1))
-        assert stats_slot != slot(store.index_key(ns, R1))
+        stats_slot = slot(store.keys.stats_key(ns, "m", 1))
+        assert stats_slot != slot(store.keys.index_key(ns, R1))
 
         spaces = [f"tenant-{i}" for i in range(24)]
-        ports = {redis_cluster.port_of_slot(slot(store.index_key(n, R1))) for n in spaces}
+        ports = {redis_cluster.port_of_slot(slot(store.keys.index_key(n, R1))) for n in spaces}
         assert ports == set(redis_cluster.ports)
 
         p = chain("spread", 3)
@@ -179,8 +179,8 @@ async def test_lookup_is_one_round_trip_per_node(
         got = await store.lookup("default", [R1, R2, R3], p)
         assert got.matched == {R1: 5, R2: 0, R3: 0} and got.loads[R2] == 2.0
         nodes = {
-            redis_cluster.port_of_slot(slot(store.index_key("default", R1))),
-            redis_cluster.port_of_slot(slot(store.fleet_key("load"))),
+            redis_cluster.port_of_slot(slot(store.keys.index_key("default", R1))),
+            redis_cluster.port_of_slot(slot(store.keys.fleet_key("load"))),
         }
         assert sorted(name for name, _ in sent) == sorted(f"127.0.0.1:{p}" for p in nodes)
         assert sum(n for _, n in sent) == 5  # traffic, loads, one index script per replica
@@ -382,11 +382,11 @@ async def test_the_store_follows_a_slot_to_its_new_node(
         ns = namespace_on(store, cluster, cluster.ports[0])
         p = chain("m", 3)
         assert (await store.lookup(ns, [R1], p)).matched == {R1: 0}  # the old layout is known
-        cluster.move_slot(slot(store.index_key(ns, R1)), cluster.ports[2])
+        cluster.move_slot(slot(store.keys.index_key(ns, R1)), cluster.ports[2])
         await store.record_prefix(ns, R1, p, CAP)
         assert (await store.lookup(ns, [R1], p)).matched == {R1: 3}
         assert not store.degraded
-        assert cluster.port_of_slot(slot(store.index_key(ns, R1))) == cluster.ports[2]
+        assert cluster.port_of_slot(slot(store.keys.index_key(ns, R1))) == cluster.ports[2]
     finally:
         await store.aclose()
 

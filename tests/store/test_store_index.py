@@ -163,10 +163,10 @@ async def test_redis_layout_uses_namespace_hash_tags(redis_server: RedisServer) 
     try:
         p = chain(*blocks("k", 3))
         await store.record_prefix("tenant-a", R1, p, CAP)
-        key = store.index_key("tenant-a", R1)
+        key = store.keys.index_key("tenant-a", R1)
         assert key.startswith("pg:{rt:tenant-a}:idx:")
-        assert store.index_key("tenant-a", R2).split(":idx:")[0] == key.split(":idx:")[0]
-        assert store.index_key("tenant-b", R1).split(":idx:")[0] != key.split(":idx:")[0]
+        assert store.keys.index_key("tenant-a", R2).split(":idx:")[0] == key.split(":idx:")[0]
+        assert store.keys.index_key("tenant-b", R1).split(":idx:")[0] != key.split(":idx:")[0]
         members = await store.client.zrange(key, 0, -1)
         assert sorted(members) == sorted(h.to_bytes(8, "big") for h in p)
         assert 0 < await store.client.pttl(key) <= 60_000

@@ -215,7 +215,7 @@ async def test_a_silent_proxy_stops_counting(redis_server: RedisServer) -> None:
         await asyncio.sleep(0.7)
         await alive.add_in_flight("default", R1, 0)  # the live proxy keeps writing
         assert (await alive.lookup("default", [R1], [])).loads == {R1: 1.0}
-        fields = await alive.client.hkeys(alive.fleet_key("load"))
+        fields = await alive.client.hkeys(alive.keys.fleet_key("load"))
         assert [text(f).split("|")[0] for f in fields] == [alive.proxy_id]
     finally:
         await crashed.aclose()
@@ -235,8 +235,11 @@ async def test_redis_routing_keys_layout(redis_server: RedisServer) -> None:
         assert len(keys) == 1 and keys[0].startswith("pg:{rt:tenant-a}:tc:")
         assert 0 < await store.client.ttl(keys[0]) <= 120
         await store.add_in_flight("tenant-a", R1, 1)
-        assert await store.client.exists(store.fleet_key("load"), store.fleet_key("proxies")) == 2
-        assert store.fleet_key("load") == "pg:{fleet}:load"
+        assert (
+            await store.client.exists(store.keys.fleet_key("load"), store.keys.fleet_key("proxies"))
+            == 2
+        )
+        assert store.keys.fleet_key("load") == "pg:{fleet}:load"
     finally:
         await store.aclose()
 

@@ -14,8 +14,8 @@ from proxy.records import RequestRecord
 from proxy.store import LATENCY_BOUNDS_MS, StatsSample, Tally, leading_run
 from proxy.store.base import StoreTimeouts
 from proxy.store.health import StoreHealth
+from proxy.store.redis_layout import namespace_key, replica_id
 from proxy.store.redis_scripts import ALL_SCRIPTS, pack_chain
-from proxy.store.redis_store import namespace_key, replica_id
 from proxy.store.stats import latency_bucket, sample_increments
 from proxy.store.window import bucket_field, plan_buckets, split_bucket_field
 
