@@ -91,6 +91,7 @@ class FanOut:
         prefill it saves. Not while requests wait for any slot (the server may start one on
         a slot the model believes idle) or another copy is being made.
         """
+        table.settle()
         if choice.reason == SLOT_QUEUE or not table.slots or table.unplaced or self.lock.locked():
             return None
         idle = [s for s in table.slots if s.idle(now)]
@@ -153,6 +154,7 @@ class FanOut:
             saved = await self.snapshot(endpoint, source.id, content, state=copied, limit_s=limit_s)
             now = monotonic()
             task.t_sent = now
+            table.settle()
             if not (saved and target.idle(now) and target.state is None and source.state is copied):
                 again = table.choose(req, rates, now, useful_tokens=min_tokens)
                 task.uncached_tokens = again.uncached_tokens
@@ -165,6 +167,7 @@ class FanOut:
             filename = SNAPSHOT_FILE.format(slot=source.id)
             restored = await endpoint.restore(target.id, filename, limit_s=limit_s)
             now = monotonic()
+            table.settle()  # (launches placed meanwhile go first, as they were sent first)
         if restored:
             self.measured(copied.tokens if copied is not None else 0.0, now - t0)
             reason = SLOT_COPY
@@ -236,15 +239,18 @@ class FanOut:
         no longer holds the prefix, no snapshot). Otherwise ``task`` has been placed on the slot
         returned, before any copy is awaited, so no other request takes that slot meanwhile.
         """
+        table.settle()
         if not any(s.idle(monotonic()) for s in table.slots if s is not holder):
             return None
         self.waiting[holder.id] = self.waiting.get(holder.id, 0) + 1
         try:
             await running.wait()
+            table.settle()
             content = holder.content
             if not content or table.matched_tokens(req, content) < min_tokens:
                 return None
             async with self.lock:
+                table.settle()
                 others = self.waiting[holder.id] - 1
                 if holder.idle(monotonic()) and holder.content == content:
                     if others:  # they need a copy once this request holds the slot
@@ -261,7 +267,9 @@ class FanOut:
                 table.place(task, target.id, monotonic())
                 if reason == SLOT_FANOUT:
                     filename = SNAPSHOT_FILE.format(slot=holder.id)
-                    if await endpoint.restore(target.id, filename):
+                    restored = await endpoint.restore(target.id, filename)
+                    table.settle()  # (launches placed meanwhile go first)
+                    if restored:
                         target.state = holder.state
                     else:  # it runs there all the same, from whatever the slot holds
                         reason, matched = SLOT_PLACE, 0.0

@@ -267,6 +267,7 @@ class Scheduler:
         api = replica.dialect.capabilities.slots
         if state.endpoint is None and self._session is not None and api is not None:
             state.endpoint = api.endpoint(self._session, replica.url, headers=self._headers)
+        state.table.settle()  # (the slots are read from here on)
         return state.table
 
     # -- the decision --------------------------------------------------------------------------
@@ -377,8 +378,10 @@ class Scheduler:
             if seeded is not None:
                 choice, copied = seeded, seeded
         if copied is None:
-            # Before any await: the next request's choice sees it.
-            table.place(task, choice.slot, task.t_sent, choice.pick)
+            # Before any await: the next request's choice sees it. The cache model's launch
+            # waits for the next use of the table (at one stream, the first token's), off the
+            # way to the backend.
+            table.place(task, choice.slot, task.t_sent, choice.pick, later=True)
         ticket.reason = choice.reason
         ticket.slot = choice.slot
         if choice.reason not in (SLOT_BUSY, SLOT_FOREIGN, SLOT_UNPINNED):

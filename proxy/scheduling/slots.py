@@ -136,9 +136,20 @@ class SlotTable:
         self._incoming: tuple[PromptQuery, CachedPrompt] | None = None
         """The request being weighed, as the state it would leave (``eviction_s``), during one
         ``choose``."""
+        self._launches: list[tuple[Slot, SlotTask, float, Pick]] = []
+        """Launches placed with ``later`` and not applied to the model yet (``settle``)."""
+
+    def settle(self) -> None:
+        """Apply the launches ``place`` left for later, in order. Every method of the table
+        calls this first, and so does whatever reads the slots' states from outside it, so
+        nothing sees the model without them."""
+        while self._launches:
+            slot, task, now, outcome = self._launches.pop(0)
+            self._start(slot, task, now, outcome)
 
     def set_rules(self, rules: ServerRules) -> None:
         """Correct what the model believes of the server's flags."""
+        self.settle()
         self.rules = rules
         self.ram.rules = rules
         self.ram.trim()
@@ -170,6 +181,7 @@ class SlotTable:
 
         ``prefilling``: ``_prefilling(now, rates)`` when the caller already has it.
         """
+        self.settle()
         p, t = rates.prefill_s, rates.tpot_s
         end = now
         if slot.tasks:
@@ -197,6 +209,7 @@ class SlotTable:
     ) -> float:
         """Prompt tokens of ``req`` (as ``query``, when the caller has it) a slot holding
         ``content`` (or ``state``) would serve."""
+        self.settle()
         if state is not None:
             return self._capped(self.counter.cached(state, query or req.query()))
         tokens = common_blocks(req.hashes, content) * req.tokens_per_block
@@ -209,6 +222,7 @@ class SlotTable:
         self, req: SlotRequest, rates: Rates, now: float, *, useful_tokens: float
     ) -> SlotChoice:
         """The slot ``req`` is expected to end soonest on (``_choose``)."""
+        self.settle()
         query = req.query()
         self._choosing, self._live = True, None  # live_conversations(now), once per choice
         try:
@@ -348,6 +362,7 @@ class SlotTable:
         """Prompts sent lately that no later request has continued yet: the conversations
         the slots are asked to hold at once, each weighed by how likely its application is to
         continue. Lately: within twice the prompt's own pace when it has one, else a minute."""
+        self.settle()
         if self._choosing and self._live is not None and self._live[0] == now:
             return self._live[1]
         live = 0.0
@@ -385,6 +400,7 @@ class SlotTable:
         slots costs one prefill of their shared prefix, once, where herding them onto one slot
         recomputes each history on every turn.
         """
+        self.settle()
         held = slot.state
         if held is None or (outcome.loaded is None and self.counter.shared(held, query).continues):
             return 0.0  # nothing there, or the request extends what is there
@@ -423,13 +439,22 @@ class SlotTable:
         return lost * likely * RETURNS * rates.prefill_s
 
     def place(
-        self, task: SlotTask, slot_id: int | None, now: float, outcome: Pick | None = None
+        self,
+        task: SlotTask,
+        slot_id: int | None,
+        now: float,
+        outcome: Pick | None = None,
+        *,
+        later: bool = False,
     ) -> None:
         """Record that ``task`` was sent to ``slot_id`` (None: unpinned, slot unknown).
 
         ``outcome``: the cache model's ``pick`` for an idle ``slot_id`` (``SlotChoice.pick``),
-        reused for the launch; one is computed when it is missing or stale.
+        reused for the launch; one is computed when it is missing or stale. ``later``: the
+        slot is taken at once (``task.pick`` is ``outcome``), and the model's launch with that
+        outcome is applied by the next ``settle``, so that the request can be on its way first.
         """
+        self.settle()
         if task.state is None:
             fp = task.query.fp if task.query is not None else None
             task.state = CachedPrompt(
@@ -443,7 +468,13 @@ class SlotTable:
         slot = self.slots[slot_id % len(self.slots)]
         task.slot = slot.id
         if not slot.tasks:
-            self._start(slot, task, now, outcome)
+            if later and outcome is not None and outcome.slot == slot.id:
+                # ``_start``, its launch left to ``settle``: nothing changes the table before
+                # that, every other method settling first.
+                task.t_start, task.pick = now, outcome
+                self._launches.append((slot, task, now, outcome))
+            else:
+                self._start(slot, task, now, outcome)
         slot.tasks.append(task)
         slot.touched = True
         slot.last_used = now
@@ -510,6 +541,7 @@ class SlotTable:
 
     def first_token(self, task: SlotTask, now: float, reported_slot: int | None = None) -> None:
         """The backend answered ``task``'s first token (and said which slot, if it did)."""
+        self.settle()
         if task.t_first_token is None:
             task.t_first_token = now
         if reported_slot is None or not self.slots or task.slot == reported_slot:
@@ -523,6 +555,7 @@ class SlotTable:
 
     def end(self, task: SlotTask, now: float, *, ok: bool) -> None:
         """``task`` ended (``ok``: it succeeded); its slot now holds its prompt."""
+        self.settle()
         if task.slot is None:
             if task in self.unplaced:
                 self.unplaced.remove(task)
@@ -574,6 +607,7 @@ class SlotTable:
         """The backend's figures for ``task``: the state it left is measured, and the model
         learns where its matches end, how much of an answer a next turn repeats, and that its
         RAM cache is smaller than believed when a predicted restore did not happen."""
+        self.settle()
         if task.state is not None:
             task.state.measure(prompt_tokens, completion_tokens)
         outcome = task.pick
@@ -603,6 +637,7 @@ class SlotTable:
         counts as busy for ``hold_s``. A busy slot may also be one of our unpinned requests,
         which is then placed there.
         """
+        self.settle()
         foreign = False
         for entry in observed:
             sid = entry.get("id")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +25,7 @@ from proxy.backends.llamacpp_cache import (
 )
 from proxy.backends.llamacpp_tokens import CachedPrompt, PromptQuery, TokenCounter
 from proxy.fingerprint import common_blocks, fingerprint, fingerprint_with_data, render
-from proxy.scheduling import Rates, SlotRequest, SlotTable, SlotTask
+from proxy.scheduling import Rates, SlotChoice, SlotRequest, SlotTable, SlotTask
 
 TPB = 64.0
 CPU = Rates(prefill_ms_per_token=6.0, tpot_ms=20.0)
@@ -412,3 +414,101 @@ def test_ram_save_compares_only_what_can_hold_or_be_held(
             expected = reference(expected, new)[-MAX_RAM_ENTRIES:]
             ram.save(new)
             assert ram.entries == expected
+
+
+@pytest.mark.parametrize("rules", [ServerRules(), ServerRules(unified=True, similarity=0.0)])
+def test_a_launch_left_for_later_gives_the_model_the_same_picture(rules: ServerRules) -> None:
+    """``place(later=True)`` applies the cache model's launch at the table's next use (the
+    scheduler's way: the request is forwarded first): every choice, and the slots, RAM cache
+    and recent prompts after it, are what launching at once gives. Six conversations on three
+    slots; at every other request the answers before the latest are given (first token, end),
+    so every other choice is made with a launch not yet applied."""
+
+    def replay(later: bool) -> tuple[list[tuple[Any, ...]], SlotTable]:
+        table = SlotTable(3, 4096, rules=rules)
+        choices: list[tuple[Any, ...]] = []
+        running: list[SlotTask] = []
+        now = 0.0
+        for turn in range(5):
+            for conv in range(6):
+                now += 0.05
+                hashes = chain(conv + 1, 4 + 2 * turn)
+                req = SlotRequest(hashes, len(hashes) * TPB + 10, 16.0, TPB)
+                choice = table.choose(req, CPU, now, useful_tokens=256)
+                task = SlotTask(
+                    hashes=hashes,
+                    prompt_tokens=req.prompt_tokens,
+                    uncached_tokens=choice.uncached_tokens,
+                    decode_tokens=16.0,
+                    t_sent=now,
+                    query=req.query(),
+                )
+                table.place(task, choice.slot, now, choice.pick, later=later)
+                source = choice.pick.source if choice.pick is not None else None
+                choices.append((choice.reason, choice.slot, choice.matched_tokens, source))
+                running.append(task)
+                while conv % 2 and len(running) > 1:  # every other request, the rest answer
+                    done = running.pop(0)
+                    table.first_token(done, now + 0.01)
+                    table.end(done, now + 0.02, ok=True)
+                    now += 0.02
+        for task in running:
+            table.end(task, now + 1.0, ok=True)
+        return choices, table
+
+    (at_once, a), (later, b) = replay(False), replay(True)
+    assert later == at_once
+    assert [s.content for s in b.slots] == [s.content for s in a.slots]
+    assert [e.hashes for e in b.ram.entries] == [e.hashes for e in a.ram.entries]
+    assert b.live_conversations(100.0) == a.live_conversations(100.0)
+    assert not b._launches
+
+
+def test_a_launch_left_for_later_is_applied_before_the_table_is_read() -> None:
+    """Until it is applied the slot is taken (busy, the task's pick known) and the other
+    slots are as they were; the next use of the table (here the first token) applies it: under
+    unified KV the idle slot's prompt goes to the RAM cache and the slot is cleared."""
+    table = SlotTable(2, 4096, rules=ServerRules(unified=True))
+
+    def send(conv: int, now: float) -> tuple[SlotTask, SlotChoice]:
+        hashes = chain(conv, 6)
+        req = SlotRequest(hashes, len(hashes) * TPB + 10, 16.0, TPB)
+        choice = table.choose(req, CPU, now, useful_tokens=256)
+        task = SlotTask(hashes, req.prompt_tokens, choice.uncached_tokens, 16.0, now)
+        task.query = req.query()
+        table.place(task, choice.slot, now, choice.pick, later=True)
+        return task, choice
+
+    first = send(1, 1.0)
+    table.end(first[0], 1.5, ok=True)  # (its launch applied first)
+    second = send(2, 2.0)
+    assert first[1].slot is not None and second[1].slot is not None
+    held, taken = table.slots[first[1].slot], table.slots[second[1].slot]
+    assert held.state is not None and not table.ram.entries and table._launches
+    assert not taken.idle(2.0) and second[0].pick is second[1].pick
+    table.first_token(second[0], 2.01)
+    assert not table._launches and held.state is None
+    assert [e.hashes for e in table.ram.entries] == [chain(1, 6)]
+
+
+@pytest.mark.parametrize("later", [False, True])
+def test_a_choice_sees_the_launch_left_for_later(later: bool) -> None:
+    """Unified KV, two slots: conversation A ended on one; B launched on the other clears it
+    (A's prompt to the RAM cache). A's next turn, chosen before B's launch was applied, is
+    chosen as after it: not a hit on the slot that no longer holds A."""
+    table = SlotTable(2, 4096, rules=ServerRules(unified=True, similarity=0.0))
+
+    def send(hashes: tuple[int, ...], now: float) -> tuple[SlotTask, SlotChoice]:
+        req = SlotRequest(hashes, len(hashes) * TPB + 10, 16.0, TPB)
+        choice = table.choose(req, CPU, now, useful_tokens=256)
+        task = SlotTask(hashes, req.prompt_tokens, choice.uncached_tokens, 16.0, now)
+        task.query = req.query()
+        table.place(task, choice.slot, now, choice.pick, later=later)
+        return task, choice
+
+    a, _ = send(chain(1, 6), 1.0)
+    table.end(a, 1.5, ok=True)
+    send(chain(2, 6), 2.0)
+    _, again = send(chain(1, 6, tail=1, tail_blocks=2), 2.1)
+    assert again.reason != "slot_hit" and again.pick is not None
+    assert again.pick.source == "ram"
