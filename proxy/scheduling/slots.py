@@ -105,6 +105,10 @@ __all__ = [
 ]
 
 
+def _lru(slot: Slot) -> tuple[float, int]:
+    return slot.last_used, slot.id
+
+
 class SlotTable:
     """One replica's slots as this proxy knows them."""
 
@@ -269,10 +273,19 @@ class SlotTable:
                 known = idle_costs[uncached] = (shared, imposed * p)
             return known
 
+        # Every empty idle slot weighs the same (nothing reused, nothing lost): only the one
+        # the ties go to, the least recently used, is weighed.
+        empty = min(
+            (s for s in self.slots if s.state is None and s.idle(now)),
+            key=_lru,
+            default=None,
+        )
         for slot in self.slots:
             if slot.idle(now):
                 if not any_idle:
                     any_idle, views = True, self._views(now)
+                if slot.state is None and slot is not empty:
+                    continue
                 outcome = pick(
                     views, self.ram, query, self.counter, pinned=slot.id, rules=self.rules
                 )

@@ -108,6 +108,20 @@ def test_new_prompt_goes_to_an_empty_slot_before_a_held_one() -> None:
     assert send(table, request(chain(8, 10)), CPU, 7.0) == ("slot_place", 0)
 
 
+def test_of_the_empty_slots_the_least_recently_used_is_taken() -> None:
+    """Empty idle slots weigh the same (one is weighed for all): the least recently used wins,
+    then the lowest id; a held slot that would keep its content for good loses to them."""
+    table = SlotTable(4, 4096)
+    for sid, used in ((0, 4.0), (1, 2.0), (3, 2.0)):
+        table.slots[sid].last_used = used
+    send(table, request(chain(1, 10)), CPU, 1.0)  # slot 2: never used
+    assert table.slots[2].tasks
+    table.end(table.slots[2].tasks[0], 1.5, ok=True)
+    assert send(table, request(chain(2, 10)), CPU, 5.0) == ("slot_place", 1)
+    assert send(table, request(chain(3, 10)), CPU, 5.0) == ("slot_place", 3)
+    assert send(table, request(chain(4, 10)), CPU, 5.0) == ("slot_place", 0)
+
+
 def test_all_slots_busy_without_a_match_goes_unpinned_and_takes_the_first_freed() -> None:
     """With every slot busy and nothing to reuse, the server picks; the table follows it."""
     table = SlotTable(2, 4096)
