@@ -49,6 +49,7 @@ from proxy.backends.slot_cache import (
     restorable,
 )
 from proxy.fingerprint import common_blocks
+from proxy.log import get_logger
 from proxy.scheduling.rates import Rates
 from proxy.scheduling.slot_state import (
     FOREIGN_GRACE_S,
@@ -105,6 +106,9 @@ __all__ = [
 ]
 
 
+_log = get_logger()
+
+
 def _lru(slot: Slot) -> tuple[float, int]:
     return slot.last_used, slot.id
 
@@ -144,12 +148,18 @@ class SlotTable:
         """Launches placed with ``later`` and not applied to the model yet (``settle``)."""
 
     def settle(self) -> None:
-        """Apply the launches ``place`` left for later, in order. Every method of the table
-        calls this first, and so does whatever reads the slots' states from outside it, so
-        nothing sees the model without them."""
+        """Apply the launch ``place`` left for later. Every public method of the table calls
+        this first (``place`` too, so at most one launch is ever pending), and so does whatever
+        reads or writes the slots from outside (``Scheduler._table``, and ``FanOut`` after each
+        of its awaits, before it sets a slot's state): nothing sees or changes the model
+        without it. A launch that fails (a bug in the model) is logged and dropped here, so
+        that it costs the model one launch, not another request its answer."""
         while self._launches:
             slot, task, now, outcome = self._launches.pop(0)
-            self._start(slot, task, now, outcome)
+            try:
+                self._start(slot, task, now, outcome)
+            except Exception:
+                _log.exception("slot_model_error", slot=slot.id)
 
     def set_rules(self, rules: ServerRules) -> None:
         """Correct what the model believes of the server's flags."""

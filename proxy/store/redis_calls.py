@@ -3,10 +3,11 @@
 Every call is bounded (``StoreTimeouts``) and guarded by a circuit breaker (``StoreHealth``):
 Redis down, hung or restarted costs a request ``lookup_s`` (and what the proxy's own loop is
 late by), and the store reconnects by itself (redis-py opens a new connection on the next call
-after one was dropped). The deadline of a call on the scripts' link (the scripts, ``recall``,
-``remember``) is the link's (``RespLink.execute``): the call fails only if Redis had not
-answered when the loop came to look, so a proxy whose own loop runs late does not open the
-breaker on a Redis that answered in time.
+after one was dropped). The deadline of a call on one of the store's own links (the scripts and
+``recall`` on the scripts' link, the batched writes and ``remember`` on the writes') is the
+link's (``RespLink.execute``): the call fails only if Redis had not answered when the loop came
+to look, so a proxy whose own loop runs late does not open the breaker on a Redis that answered
+in time.
 
 Redis Cluster (``redis+cluster://`` / ``rediss+cluster://``; the client and its layout are
 ``proxy.store.redis_cluster``'s): pipelines are split per node and sent in parallel. One
@@ -147,7 +148,8 @@ class RedisCalls:
         self, op: str, link: RespLink, timeout_s: float, commands: Sequence[Command]
     ) -> list[Any] | None:
         """``commands``' replies on ``link`` under the link's deadline, ``timeout_s`` from now
-        (as ``_scripts``), guarded; None when they failed."""
+        (as ``_scripts``), guarded; None when they failed, or were not sent (the breaker
+        open, the store closed)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
 
         async def call() -> list[Any] | None:

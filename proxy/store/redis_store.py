@@ -7,8 +7,8 @@ reads are ``proxy.store.redis_stats``'s.
 Each proxy writes its own *absolute* in-flight count per replica (it keeps the count locally),
 so a write lost to a Redis blip is healed by the next one instead of drifting for ever.
 
-Every call is bounded and guarded by a circuit breaker, and a Redis Cluster has its pipelines
-split per node (``RedisCalls``, ``proxy.store.redis_calls``).
+Every call is bounded and guarded by a circuit breaker (``RedisCalls``,
+``proxy.store.redis_calls``).
 """
 
 from __future__ import annotations
@@ -62,12 +62,16 @@ class RedisStore(RedisCalls):
             write_link=write_link,
         )
         self._clock = clock
-        self.proxy_id = uuid.uuid4().hex[:12]
-        self.keys = RedisLayout(self._opts, clock, self.proxy_id)
+        self.keys = RedisLayout(self._opts, clock, uuid.uuid4().hex[:12])
         """The store's keys and the script call each operation sends."""
         self._in_flight: dict[str, int] = {}
         self._in_flight_writing: set[str] = set()  # replicas with a count write under way
         self._in_flight_stale: set[str] = set()  # ... whose count changed since it started
+
+    @property
+    def proxy_id(self) -> str:
+        """This proxy's field in the fleet's loads (``RedisLayout.proxy_id``)."""
+        return self.keys.proxy_id
 
     @classmethod
     def from_url(cls, url: str, options: StoreOptions | None = None) -> RedisStore:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from proxy.backends.llamacpp_cache import (
     MAX_RAM_ENTRIES,
@@ -512,3 +513,37 @@ def test_a_choice_sees_the_launch_left_for_later(later: bool) -> None:
     _, again = send(chain(1, 6, tail=1, tail_blocks=2), 2.1)
     assert again.reason != "slot_hit" and again.pick is not None
     assert again.pick.source == "ram"
+
+
+def test_a_request_that_fails_before_its_launch_is_applied_leaves_the_model_as_before() -> None:
+    """An error before the first token (the launch still pending): the end applies the launch
+    first, then forgets what the slot held, as when it was launched at once."""
+    tables = []
+    for later in (False, True):
+        table = SlotTable(2, 4096, rules=ServerRules(unified=True))
+        for conv, ok in ((1, True), (2, False)):
+            hashes = chain(conv, 6)
+            req = SlotRequest(hashes, len(hashes) * TPB + 10, 16.0, TPB)
+            choice = table.choose(req, CPU, float(conv), useful_tokens=256)
+            task = SlotTask(hashes, req.prompt_tokens, choice.uncached_tokens, 16.0, float(conv))
+            task.query = req.query()
+            table.place(task, choice.slot, float(conv), choice.pick, later=later)
+            table.end(task, conv + 0.5, ok=ok)
+        tables.append(table)
+    at_once, later = tables
+    assert [s.content for s in later.slots] == [s.content for s in at_once.slots]
+    assert [e.hashes for e in later.ram.entries] == [e.hashes for e in at_once.ram.entries]
+    assert [e.hashes for e in later.ram.entries] == [chain(1, 6)]
+
+
+def test_a_launch_that_fails_is_logged_and_dropped_not_raised_at_the_next_caller() -> None:
+    table = SlotTable(2, 4096)
+    hashes = chain(1, 6)
+    req = SlotRequest(hashes, len(hashes) * TPB + 10, 16.0, TPB)
+    choice = table.choose(req, CPU, 0.0, useful_tokens=256)
+    task = SlotTask(hashes, req.prompt_tokens, choice.uncached_tokens, 16.0, 0.0)
+    table.place(task, choice.slot, 0.0, choice.pick, later=True)
+    table._start = None  # type: ignore[assignment,method-assign]  # a bug in the model
+    with capture_logs() as logs:
+        table.end(task, 0.5, ok=True)
+    assert [e["event"] for e in logs] == ["slot_model_error"] and not table._launches
