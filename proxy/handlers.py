@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 import orjson
@@ -39,7 +39,7 @@ from proxy.errors import (
 from proxy.exchange import Exchange, Outgoing, Target, build_record, settle_view
 from proxy.fleet import Replica
 from proxy.log import get_logger
-from proxy.prefixes import PrefixView
+from proxy.prefixes import PrefixTracker, PrefixView
 from proxy.records import Observation, monotonic
 from proxy.relay import (
     CLIENT_CLOSED,
@@ -150,7 +150,10 @@ async def inference(request: web.Request) -> web.StreamResponse:
             route, body, replicas, namespace=namespace, salt=tenant or "", deferred=deferred
         )
         ex.lookup_queued = (
-            deferred and view.pending is not None and state.tracker.writes is not None
+            deferred
+            and view.pending is not None
+            and state.tracker.writes is not None
+            and state.tracker.remote_store
         )
         obs.t_lookup = monotonic()
         if ex.affinity is not None:
@@ -191,6 +194,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
         if obs.t_end is None:
             obs.t_end = monotonic()
         cut_short = False
+        state.tracker.answer_local()  # (a deferred lookup in this process: answered by now)
         if ex.lookup_queued:
             try:
                 await _lookup_answered(state, ex)
@@ -273,7 +277,7 @@ async def _attempt(
         )
         ex.obs.t_admitted = monotonic()
         admitted = True
-        ex.on_first_token = ticket.first_token
+        ex.on_first_token = _first_token(ticket, tracker)
         edited = edited or ticket.body_changed
         ex.upstream_body = out.raw
         if edited or ex.strip_usage:
@@ -297,6 +301,17 @@ async def _attempt(
         done = tracker.in_flight(view, replica.url, -1)
         if done is not None:
             state.writer.spawn(done)
+
+
+def _first_token(ticket: Ticket, tracker: PrefixTracker) -> Callable[[Mapping[str, Any]], None]:
+    """What the relay calls at the first token, once it is on its way to the client: the
+    scheduler learns it, and a lookup left for after it (``answer_local``) is read."""
+
+    def first_token(event: Mapping[str, Any]) -> None:
+        ticket.first_token(event)
+        tracker.answer_local()
+
+    return first_token
 
 
 async def _lookup_answered(state: ProxyState, ex: Exchange) -> None:

@@ -24,6 +24,9 @@ record is built (``settled``), or awaited by whatever needs it earlier (``answer
 nothing will await it (``deferred``), the lookup goes with the store's queued writes, ahead of
 them (``WriteBehind.lookup``): with the batch, ``delay_s`` after its first write (after the
 first token of a request that has one sooner), or at the request's end, whichever comes first.
+With the embedded store (in this process, its writes queued) such a lookup is read after the
+request is on its way: at its first token or its end (``answer_local``), and always before a
+batch of queued writes, the request's own claim among them, is applied.
 """
 
 from __future__ import annotations
@@ -104,6 +107,17 @@ def settled(view: PrefixView) -> PrefixView:
         available=found.available,
         pending=None,
     )
+
+
+_LocalLookup = tuple[
+    asyncio.Future[PrefixView],
+    Callable[[LookupResult], PrefixView],
+    str,
+    Sequence[str],
+    Sequence[int],
+]
+"""A deferred lookup of a store in this process: where its view goes, how the store's answer
+makes it, and what to look up (namespace, replicas, block hashes)."""
 
 
 def _fold(
@@ -215,6 +229,17 @@ class PrefixTracker:
         self.remote_store = remote_store
         """The store is a round trip away (Redis): a lookup nothing routes by is not waited for."""
         self.writes = None if write_delay_s is None else WriteBehind(store, delay_s=write_delay_s)
+        self._lookup_now: Callable[[str, Sequence[str], Sequence[int]], LookupResult] | None = (
+            getattr(store, "lookup_now", None)
+            if not remote_store and self.writes is not None
+            else None
+        )
+        """A store in this process that answers in the caller's step (``EmbeddedStore``), and
+        whose writes are queued: a deferred lookup is answered later (``answer_local``)."""
+        self._local: list[_LocalLookup] = []
+        """Deferred lookups of a store in this process, not answered yet."""
+        if self._lookup_now is not None and self.writes is not None:
+            self.writes.before_apply = self.answer_local
         """With ``write_delay_s``: the store writes batched and sent that much later
         (``proxy.store.write_behind``); ``in_flight``, ``claim`` and ``learn`` then queue them
         and return None. Without: they return the writes, to run in the background."""
@@ -250,6 +275,11 @@ class PrefixTracker:
             route, body, block_bytes=self.block_bytes, salt=salt, memo=self.chains
         )
         hashes = fp.block_hashes
+        lookup_now = self._lookup_now
+        if lookup_now is not None and deferred and len(replicas) == 1:
+            # A store in this process, nothing waiting for its answer: read it after the
+            # request is on its way (``answer_local``), not before.
+            return self._not_waited(fp, namespace, rendered, replicas, None)
         if self.remote_store and len(replicas) == 1:
             writes = self.writes
             found = (
@@ -293,10 +323,11 @@ class PrefixTracker:
         namespace: str,
         rendered: bytes,
         replicas: Sequence[str],
-        found: Awaitable[LookupResult],
+        found: Awaitable[LookupResult] | None,
     ) -> PrefixView:
         """The view at once, with this proxy's numbers as the request found them (before its
-        own claim joins them); the store's answer folded in when it comes (``pending``)."""
+        own claim joins them); the store's answer folded in when it comes (``pending``).
+        ``found`` None: the store is in this process, and ``answer_local`` reads it."""
         hashes = fp.block_hashes
         recent = self._with_recent(namespace, replicas, hashes, {}) if len(self.recent) else {}
         local = {r: float(self._local_in_flight.get(r, 0)) for r in replicas}
@@ -308,7 +339,10 @@ class PrefixTracker:
             return self._view(fp, namespace, rendered, got, matched, local)
 
         pending: asyncio.Future[PrefixView]
-        if isinstance(found, asyncio.Future):  # queued with the writes: folded in as it comes
+        if found is None:
+            pending = asyncio.get_running_loop().create_future()
+            self._local.append((pending, view, namespace, replicas, hashes))
+        elif isinstance(found, asyncio.Future):  # queued with the writes: folded in as it comes
             pending = asyncio.get_running_loop().create_future()
             found.add_done_callback(functools.partial(_fold, pending, view))
         else:
@@ -464,10 +498,25 @@ class PrefixTracker:
             await self.store.record_prefix(chain[0], replica, chain[1], chain[2])
         await self.store.add_stats(sample)
 
+    def answer_local(self) -> None:
+        """Answer the deferred lookups of a store in this process, from the store as it is now:
+        at a request's first token or end, whichever comes first, and always before a batch of
+        queued writes (their own claims among them) is applied. Never raises."""
+        local, self._local = self._local, []
+        lookup_now = self._lookup_now
+        for pending, view, namespace, replicas, hashes in local:
+            if pending.done() or lookup_now is None:
+                continue
+            try:  # folded into the view at once: the caller may settle it next
+                pending.set_result(view(lookup_now(namespace, replicas, hashes)))
+            except Exception as exc:  # (a bug: the view settles as unavailable, logged)
+                pending.set_exception(exc)
+
     async def flush(self) -> None:
         """Let the lookups not waited for end (each within its deadline), then apply the store
         writes queued (write behind; nothing to apply without it). Lookups queued with the
         writes are sent first, with them (else they would wait for the writes' timer)."""
+        self.answer_local()
         if self.writes is not None:
             self.writes.hurry()
         if self._lookups:

@@ -102,6 +102,11 @@ class EmbeddedStore:
         self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
     ) -> dict[str, int]:
         """Blocks matched per replica; no I/O."""
+        return self._longest_match(namespace, replicas, hashes)
+
+    def _longest_match(
+        self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
+    ) -> dict[str, int]:
         now = self._clock()
         out: dict[str, int] = {}
         for replica in replicas:
@@ -151,8 +156,14 @@ class EmbeddedStore:
         self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
     ) -> LookupResult:
         """Index match, loads and traffic counts; no I/O."""
-        matched = await self.longest_match(namespace, replicas, hashes)
-        window, counts = await self.traffic_counts(namespace, hashes)
+        return self.lookup_now(namespace, replicas, hashes)
+
+    def lookup_now(
+        self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
+    ) -> LookupResult:
+        """``lookup``, answered in the caller's own step (``PrefixTracker.lookup``, deferred)."""
+        matched = self._longest_match(namespace, replicas, hashes)
+        window, counts = self._traffic_counts(namespace, hashes)
         loads = {r: float(self._in_flight.get(r, 0)) for r in replicas}
         return LookupResult(matched, loads, window, counts)
 
@@ -167,6 +178,9 @@ class EmbeddedStore:
     async def traffic_counts(self, namespace: str, hashes: Sequence[int]) -> tuple[int, list[int]]:
         """Requests in the window and how many carried each leading hash (``hashes``: a block
         chain, as every store reads it)."""
+        return self._traffic_counts(namespace, hashes)
+
+    def _traffic_counts(self, namespace: str, hashes: Sequence[int]) -> tuple[int, list[int]]:
         window = self._traffic.get(namespace)
         if window is None:
             return 0, [0] * min(len(hashes), TRAFFIC_MAX_BLOCKS)

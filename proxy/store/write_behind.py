@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -145,6 +145,9 @@ class WriteBehind:
         """Batches applied since start-up (for tests and metrics)."""
         self.dropped = 0
         """Writes dropped because the queue was full (the store falls behind the traffic)."""
+        self.before_apply: Callable[[], None] | None = None
+        """Called as each batch is taken, before it is applied (``PrefixTracker``: the lookups
+        it answers itself are answered from the store as it was before these writes)."""
 
     @property
     def pending(self) -> int:
@@ -232,6 +235,8 @@ class WriteBehind:
 
     async def _run(self) -> None:
         batch, self._batch = self._batch, WriteBatch()
+        if self.before_apply is not None:
+            self.before_apply()  # (never raises)
         try:
             await apply_batch(self.store, batch)
             self.batches += 1

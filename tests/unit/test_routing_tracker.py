@@ -407,3 +407,26 @@ async def test_a_queued_lookup_that_fails_or_is_cancelled_settles_unavailable() 
         assert not settled(view).available
     assert [e["event"] for e in logs] == ["lookup_failed"]
     tracker.writes._batch.lookups.clear()
+
+
+async def test_a_deferred_lookup_in_this_process_is_read_before_its_claim() -> None:
+    """The embedded store, one replica, nothing waiting: the lookup is left for later
+    (``answer_local``: at the first token or the end) and read from the store before any batch
+    of queued writes, the request's own claim among them, is applied."""
+    store = EmbeddedStore()
+    tracker = PrefixTracker(store, block_bytes=BLOCK, write_delay_s=60.0)
+    assert tracker.writes is not None
+    first = await tracker.lookup(CHAT, body("a" * 300), [R1])
+    await store.record_prefix("default", R1, first.fp.block_hashes, 1000)
+    view = await tracker.lookup(CHAT, body("b" * 300), [R1], deferred=True)
+    hashes = view.fp.block_hashes
+    before = (await store.lookup("default", [R1], hashes)).matched[R1]
+    assert view.pending is not None and not view.pending.done() and before < len(hashes)
+    tracker.claim(view, R1, 100_000)  # queued: applied with the batch
+    await asyncio.wait_for(tracker.writes.flush(), 1.0)  # the batch answers the lookup first
+    assert view.pending.done() and settled(view).available
+    assert settled(view).matched_blocks[R1] == before
+    assert (await store.lookup("default", [R1], hashes)).matched[R1] == len(hashes)
+    later = await tracker.lookup(CHAT, body("c"), [R1], deferred=True)
+    tracker.answer_local()  # (a first token): folded in at once, in this step
+    assert later.pending is not None and later.pending.done() and settled(later).available
