@@ -229,20 +229,18 @@ class PrefixTracker:
         self.remote_store = remote_store
         """The store is a round trip away (Redis): a lookup nothing routes by is not waited for."""
         self.writes = None if write_delay_s is None else WriteBehind(store, delay_s=write_delay_s)
-        self._lookup_now: Callable[[str, Sequence[str], Sequence[int]], LookupResult] | None = (
-            getattr(store, "lookup_now", None)
-            if not remote_store and self.writes is not None
-            else None
-        )
-        """A store in this process that answers in the caller's step (``EmbeddedStore``), and
-        whose writes are queued: a deferred lookup is answered later (``answer_local``)."""
-        self._local: list[_LocalLookup] = []
-        """Deferred lookups of a store in this process, not answered yet."""
-        if self._lookup_now is not None and self.writes is not None:
-            self.writes.before_apply = self.answer_local
         """With ``write_delay_s``: the store writes batched and sent that much later
         (``proxy.store.write_behind``); ``in_flight``, ``claim`` and ``learn`` then queue them
         and return None. Without: they return the writes, to run in the background."""
+        self._lookup_now: Callable[[str, Sequence[str], Sequence[int]], LookupResult] | None = None
+        """A store in this process that answers in the caller's step (``EmbeddedStore``), and
+        whose writes are queued: a deferred lookup is answered later (``answer_local``)."""
+        if self.writes is not None and not remote_store:
+            self._lookup_now = getattr(store, "lookup_now", None)
+            if self._lookup_now is not None:
+                self.writes.before_apply = self.answer_local
+        self._local: list[_LocalLookup] = []
+        """Deferred lookups of a store in this process, not answered yet."""
         self.block_bytes = block_bytes
         self.tokens_per_byte = TokensPerByte()
         self.depth = TrafficDepth.from_config(routing or RoutingConfig())
@@ -502,6 +500,8 @@ class PrefixTracker:
         """Answer the deferred lookups of a store in this process, from the store as it is now:
         at a request's first token or end, whichever comes first, and always before a batch of
         queued writes (their own claims among them) is applied. Never raises."""
+        if not self._local:
+            return  # (every request's first token and end ask)
         local, self._local = self._local, []
         lookup_now = self._lookup_now
         for pending, view, namespace, replicas, hashes in local:

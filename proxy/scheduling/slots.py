@@ -144,22 +144,23 @@ class SlotTable:
         self._incoming: tuple[PromptQuery, CachedPrompt] | None = None
         """The request being weighed, as the state it would leave (``eviction_s``), during one
         ``choose``."""
-        self._launches: list[tuple[Slot, SlotTask, float, Pick]] = []
-        """Launches placed with ``later`` and not applied to the model yet (``settle``)."""
+        self._pending_launch: tuple[Slot, SlotTask, float, Pick] | None = None
+        """The launch placed with ``later`` and not applied to the model yet (``settle``)."""
 
     def settle(self) -> None:
         """Apply the launch ``place`` left for later. Every public method of the table calls
-        this first (``place`` too, so at most one launch is ever pending), and so does whatever
+        this first (``place`` too, so one launch at most is pending), and so does whatever
         reads or writes the slots from outside (``Scheduler._table``, and ``FanOut`` after each
         of its awaits, before it sets a slot's state): nothing sees or changes the model
         without it. A launch that fails (a bug in the model) is logged and dropped here, so
         that it costs the model one launch, not another request its answer."""
-        while self._launches:
-            slot, task, now, outcome = self._launches.pop(0)
-            try:
-                self._start(slot, task, now, outcome)
-            except Exception:
-                _log.exception("slot_model_error", slot=slot.id)
+        if self._pending_launch is None:
+            return
+        (slot, task, now, outcome), self._pending_launch = self._pending_launch, None
+        try:
+            self._start(slot, task, now, outcome)
+        except Exception:
+            _log.exception("slot_model_error", slot=slot.id)
 
     def set_rules(self, rules: ServerRules) -> None:
         """Correct what the model believes of the server's flags."""
@@ -495,7 +496,7 @@ class SlotTable:
                 # ``_start``, its launch left to ``settle``: nothing changes the table before
                 # that, every other method settling first.
                 task.t_start, task.pick = now, outcome
-                self._launches.append((slot, task, now, outcome))
+                self._pending_launch = (slot, task, now, outcome)
             else:
                 self._start(slot, task, now, outcome)
         slot.tasks.append(task)

@@ -417,6 +417,18 @@ def test_ram_save_compares_only_what_can_hold_or_be_held(
             assert ram.entries == expected
 
 
+def _placed(
+    table: SlotTable, hashes: tuple[int, ...], now: float, *, later: bool
+) -> tuple[SlotTask, SlotChoice]:
+    """A request chosen for and placed as the scheduler does (``later``: its launch left)."""
+    req = SlotRequest(hashes, len(hashes) * TPB + 10, 16.0, TPB)
+    choice = table.choose(req, CPU, now, useful_tokens=256)
+    task = SlotTask(hashes, req.prompt_tokens, choice.uncached_tokens, 16.0, now)
+    task.query = req.query()
+    table.place(task, choice.slot, now, choice.pick, later=later)
+    return task, choice
+
+
 @pytest.mark.parametrize("rules", [ServerRules(), ServerRules(unified=True, similarity=0.0)])
 def test_a_launch_left_for_later_gives_the_model_the_same_picture(rules: ServerRules) -> None:
     """``place(later=True)`` applies the cache model's launch at the table's next use (the
@@ -462,7 +474,7 @@ def test_a_launch_left_for_later_gives_the_model_the_same_picture(rules: ServerR
     assert [s.content for s in b.slots] == [s.content for s in a.slots]
     assert [e.hashes for e in b.ram.entries] == [e.hashes for e in a.ram.entries]
     assert b.live_conversations(100.0) == a.live_conversations(100.0)
-    assert not b._launches
+    assert b._pending_launch is None
 
 
 def test_a_launch_left_for_later_is_applied_before_the_table_is_read() -> None:
@@ -470,25 +482,15 @@ def test_a_launch_left_for_later_is_applied_before_the_table_is_read() -> None:
     slots are as they were; the next use of the table (here the first token) applies it: under
     unified KV the idle slot's prompt goes to the RAM cache and the slot is cleared."""
     table = SlotTable(2, 4096, rules=ServerRules(unified=True))
-
-    def send(conv: int, now: float) -> tuple[SlotTask, SlotChoice]:
-        hashes = chain(conv, 6)
-        req = SlotRequest(hashes, len(hashes) * TPB + 10, 16.0, TPB)
-        choice = table.choose(req, CPU, now, useful_tokens=256)
-        task = SlotTask(hashes, req.prompt_tokens, choice.uncached_tokens, 16.0, now)
-        task.query = req.query()
-        table.place(task, choice.slot, now, choice.pick, later=True)
-        return task, choice
-
-    first = send(1, 1.0)
+    first = _placed(table, chain(1, 6), 1.0, later=True)
     table.end(first[0], 1.5, ok=True)  # (its launch applied first)
-    second = send(2, 2.0)
+    second = _placed(table, chain(2, 6), 2.0, later=True)
     assert first[1].slot is not None and second[1].slot is not None
     held, taken = table.slots[first[1].slot], table.slots[second[1].slot]
-    assert held.state is not None and not table.ram.entries and table._launches
+    assert held.state is not None and not table.ram.entries and table._pending_launch is not None
     assert not taken.idle(2.0) and second[0].pick is second[1].pick
     table.first_token(second[0], 2.01)
-    assert not table._launches and held.state is None
+    assert table._pending_launch is None and held.state is None
     assert [e.hashes for e in table.ram.entries] == [chain(1, 6)]
 
 
@@ -498,19 +500,10 @@ def test_a_choice_sees_the_launch_left_for_later(later: bool) -> None:
     (A's prompt to the RAM cache). A's next turn, chosen before B's launch was applied, is
     chosen as after it: not a hit on the slot that no longer holds A."""
     table = SlotTable(2, 4096, rules=ServerRules(unified=True, similarity=0.0))
-
-    def send(hashes: tuple[int, ...], now: float) -> tuple[SlotTask, SlotChoice]:
-        req = SlotRequest(hashes, len(hashes) * TPB + 10, 16.0, TPB)
-        choice = table.choose(req, CPU, now, useful_tokens=256)
-        task = SlotTask(hashes, req.prompt_tokens, choice.uncached_tokens, 16.0, now)
-        task.query = req.query()
-        table.place(task, choice.slot, now, choice.pick, later=later)
-        return task, choice
-
-    a, _ = send(chain(1, 6), 1.0)
+    a, _ = _placed(table, chain(1, 6), 1.0, later=later)
     table.end(a, 1.5, ok=True)
-    send(chain(2, 6), 2.0)
-    _, again = send(chain(1, 6, tail=1, tail_blocks=2), 2.1)
+    _placed(table, chain(2, 6), 2.0, later=later)
+    _, again = _placed(table, chain(1, 6, tail=1, tail_blocks=2), 2.1, later=later)
     assert again.reason != "slot_hit" and again.pick is not None
     assert again.pick.source == "ram"
 
@@ -522,12 +515,7 @@ def test_a_request_that_fails_before_its_launch_is_applied_leaves_the_model_as_b
     for later in (False, True):
         table = SlotTable(2, 4096, rules=ServerRules(unified=True))
         for conv, ok in ((1, True), (2, False)):
-            hashes = chain(conv, 6)
-            req = SlotRequest(hashes, len(hashes) * TPB + 10, 16.0, TPB)
-            choice = table.choose(req, CPU, float(conv), useful_tokens=256)
-            task = SlotTask(hashes, req.prompt_tokens, choice.uncached_tokens, 16.0, float(conv))
-            task.query = req.query()
-            table.place(task, choice.slot, float(conv), choice.pick, later=later)
+            task, _ = _placed(table, chain(conv, 6), float(conv), later=later)
             table.end(task, conv + 0.5, ok=ok)
         tables.append(table)
     at_once, later = tables
@@ -538,12 +526,8 @@ def test_a_request_that_fails_before_its_launch_is_applied_leaves_the_model_as_b
 
 def test_a_launch_that_fails_is_logged_and_dropped_not_raised_at_the_next_caller() -> None:
     table = SlotTable(2, 4096)
-    hashes = chain(1, 6)
-    req = SlotRequest(hashes, len(hashes) * TPB + 10, 16.0, TPB)
-    choice = table.choose(req, CPU, 0.0, useful_tokens=256)
-    task = SlotTask(hashes, req.prompt_tokens, choice.uncached_tokens, 16.0, 0.0)
-    table.place(task, choice.slot, 0.0, choice.pick, later=True)
+    task, _ = _placed(table, chain(1, 6), 0.0, later=True)
     table._start = None  # type: ignore[assignment,method-assign]  # a bug in the model
     with capture_logs() as logs:
         table.end(task, 0.5, ok=True)
-    assert [e["event"] for e in logs] == ["slot_model_error"] and not table._launches
+    assert [e["event"] for e in logs] == ["slot_model_error"] and table._pending_launch is None
