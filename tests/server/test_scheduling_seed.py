@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from proxy.backends.slot_cache import CachedPrompt, ServerRules
 from proxy.scheduling import Rates, SlotRequest, SlotTable, SlotTask
 from proxy.scheduling.fanout import FanOut
@@ -86,3 +88,54 @@ def test_the_next_turn_of_the_slots_own_conversation_is_never_copied() -> None:
     state = held(chain(1, 16, tail=2, tail_blocks=2))
     table = table_with(state, None)
     assert seed(table, request(chain(1, 16, tail=2, tail_blocks=4))) is None
+
+
+class HeldSave:
+    """A slot endpoint whose save waits for ``release`` (a copy under way), counting restores."""
+
+    save_supported = True
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.saving = asyncio.Event()
+        self.restores: list[int] = []
+
+    async def save(self, slot: int, filename: str, *, limit_s: float = 10.0) -> bool:
+        self.saving.set()
+        await self.release.wait()
+        return True
+
+    async def restore(self, slot: int, filename: str, *, limit_s: float = 10.0) -> bool:
+        self.restores.append(slot)
+        return True
+
+
+async def test_a_launch_placed_while_a_copy_is_saved_is_applied_before_the_copy_is_judged() -> None:
+    """Under unified KV a launch clears the idle slots. Another request placed (its launch left
+    for later) while the copy's save is awaited empties the source: the copy is given up and
+    the request placed afresh, never restored into a slot the model then believes empty."""
+    table = SlotTable(3, 8192, rules=ServerRules(similarity=0.0, unified=True))
+    source = held(chain(1, 16, tail=2, tail_blocks=2))
+    other = held(chain(7, 8))
+    table.slots[0].state, table.slots[2].state = source, other
+    req = request(chain(1, 16, tail=3, tail_blocks=2))
+    choice = table.choose(req, CPU, 10.0, useful_tokens=256)
+    task = SlotTask(req.hashes, req.prompt_tokens, choice.uncached_tokens, 16.0, 10.0)
+    endpoint = HeldSave()
+    fanout = FanOut()
+    seeding = asyncio.ensure_future(
+        fanout.seed(endpoint, table, req, choice, task, CPU, min_tokens=256)  # type: ignore[arg-type]
+    )
+    await endpoint.saving.wait()
+    # The next turn of the conversation on slot 2 is placed meanwhile, its launch pending.
+    turn = request(chain(7, 8, tail=8, tail_blocks=2))
+    theirs = table.choose(turn, CPU, 10.5, useful_tokens=256)
+    assert theirs.slot == 2
+    mine = SlotTask(turn.hashes, turn.prompt_tokens, theirs.uncached_tokens, 16.0, 10.5)
+    table.place(mine, theirs.slot, 10.5, theirs.pick, later=True)
+    assert table._pending_launch is not None and table.slots[0].state is source
+    endpoint.release.set()
+    made, _ = await seeding
+    assert endpoint.restores == []  # the source was emptied: nothing to copy from
+    assert table._pending_launch is None and table.slots[0].state is None
+    assert made.slot is not None and task in table.slots[made.slot].tasks
