@@ -64,3 +64,30 @@ def test_a_chain_recorded_again_leaves_what_touching_every_block_leaves() -> Non
             assert list(index.blocks) == list(expected)
 
     asyncio.run(run())
+
+
+def test_a_known_prefix_then_new_blocks_leaves_what_touching_every_block_leaves() -> None:
+    """The common shape: a shared system prompt, then a request's own blocks, recorded when it
+    is claimed and again at its end; new blocks repeated, and a capacity that cuts chains
+    short."""
+    rng = random.Random(13)
+
+    async def run() -> None:
+        store = EmbeddedStore()
+        expected: OrderedDict[int, None] = OrderedDict()
+        prefixes = [[1000 * p + i for i in range(rng.randint(1, 12))] for p in range(4)]
+        fresh = 10_000
+        for _ in range(400):
+            tail = []
+            for _ in range(rng.randint(0, 10)):
+                fresh += 1
+                tail.append(rng.choice(tail) if tail and rng.random() < 0.1 else fresh)
+            hashes = rng.choice(prefixes) + tail
+            capacity = rng.randint(8, 120)
+            for _ in range(rng.randint(1, 2)):  # claimed, then recorded again at its end
+                await store.record_prefix("default", "r", hashes, capacity)
+                expected = _reference(expected, hashes[:capacity], capacity)
+                index = store._indexes[("default", "r")]
+                assert list(index.blocks) == list(expected)
+
+    asyncio.run(run())
