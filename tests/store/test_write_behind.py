@@ -26,6 +26,15 @@ R1, R2 = "http://r1:8080", "http://r2:8080"
 RULES = ["json_keys", "volatile"]
 
 
+async def batches_applied(behind: WriteBehind, n: int, timeout_s: float = 5.0) -> None:
+    """Wait (polling) until ``behind`` has applied ``n`` batches, or ``timeout_s`` has passed;
+    the caller asserts what it expects."""
+    for _ in range(round(timeout_s / 0.01)):
+        if behind.batches >= n:
+            return
+        await asyncio.sleep(0.01)
+
+
 def workload(seed: int) -> list[tuple[str, tuple[Any, ...]]]:
     """Writes as a proxy makes them: claims, in-flight counts, ends, statistics."""
     rng = random.Random(seed)
@@ -120,10 +129,7 @@ async def test_a_batch_is_applied_once_the_delay_has_passed(store: PrefixStore) 
     assert behind.pending == 2
     assert (await store.longest_match("default", [R1], [1, 2, 3]))[R1] == 0  # not yet
     assert behind.batches == 0
-    for _ in range(500):
-        if behind.batches:
-            break
-        await asyncio.sleep(0.01)
+    await batches_applied(behind, 1)
     assert behind.pending == 0 and behind.batches == 1
     assert (await store.longest_match("default", [R1], [1, 2, 3]))[R1] == 3
     assert (await store.lookup("default", [R1], [1])).loads[R1] == 1.0
@@ -133,10 +139,7 @@ async def test_a_full_queue_is_sent_without_waiting(store: PrefixStore) -> None:
     behind = WriteBehind(store, delay_s=60.0, max_pending=4)
     for i in range(4):
         behind.record_prefix("default", R1, [10 + i], 100)
-    for _ in range(100):
-        if behind.batches:
-            break
-        await asyncio.sleep(0.01)
+    await batches_applied(behind, 1)
     assert behind.batches == 1 and behind.pending == 0
 
 
@@ -269,10 +272,7 @@ async def test_hurry_sends_the_queue_after_the_batch_under_way() -> None:
     behind.add_in_flight("default", R1, +1)
     behind.hurry()  # noted: it goes when the one under way is done, not 60 s later
     gate.set()
-    for _ in range(100):
-        if behind.batches == 2:
-            break
-        await asyncio.sleep(0.01)
+    await batches_applied(behind, 2)
     assert behind.batches == 2 and behind.pending == 0
     assert [name for name, _ in double.calls] == ["add_stats", "add_in_flight"]
 
