@@ -41,6 +41,7 @@ from proxy.state import REQUEST_ID, STATE, T_START, ProxyState
 from proxy.store import StoreOptions, StoreTimeouts, open_store
 from proxy.tracing import RecordTracer
 from proxy.upstream import upstream_session
+from proxy.wire import BackendPool
 
 log = get_logger()
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -139,6 +140,7 @@ def build_app(
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         session = upstream_session(limit=0, keepalive_timeout=30.0)
+        pool = BackendPool(keepalive_s=30.0)
         t = settings.timeouts
         store = open_store(
             redis_url=settings.redis_url,
@@ -170,6 +172,7 @@ def build_app(
             state = ProxyState(
                 settings=settings,
                 session=session,
+                wire=pool,
                 fleet=fleet,
                 store=store,
                 tracker=tracker,
@@ -219,6 +222,7 @@ def build_app(
                 if tracer is not None:  # flushes what is queued; blocking, so in a thread
                     await asyncio.to_thread(tracer.shutdown)
         finally:
+            await pool.close()
             await session.close()
             await store.aclose()
 

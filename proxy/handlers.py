@@ -286,7 +286,7 @@ async def _attempt(
         out.sent = body
         return await relay_inference(
             request,
-            state.session,
+            state.wire,
             ex,
             timeouts=state.settings.timeouts,
             backend_api_key=state.settings.backend_api_key,

@@ -25,6 +25,7 @@ HOP_BY_HOP = frozenset(
 _RECOMPUTED = frozenset(h.lower() for h in (hdrs.CONTENT_LENGTH, hdrs.HOST))
 # aiohttp's client transparently decompresses, so the encoding header must not be relayed.
 _RESPONSE_DROP = HOP_BY_HOP | {hdrs.CONTENT_LENGTH.lower(), hdrs.CONTENT_ENCODING.lower()}
+_REFRAMED_DROP = HOP_BY_HOP | {hdrs.CONTENT_LENGTH.lower()}
 
 
 def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
@@ -57,14 +58,17 @@ def upstream_request_headers(
 
 
 def downstream_response_headers(
-    upstream: Mapping[str, str], *, bodiless: bool = False
+    upstream: Mapping[str, str], *, bodiless: bool = False, decoded: bool = True
 ) -> CIMultiDict[str]:
     """Headers to relay to the client from the backend's response.
 
     ``bodiless``: the answer has no body (``HEAD``, ``204``, ``304``), so nothing was decoded
     and ``Content-Length`` and ``Content-Encoding`` describe the resource: they stay as sent.
+    ``decoded=False``: the body is relayed as it came (``proxy.wire``), so an encoding the
+    backend applied stays named; only the framing (``Content-Length``) is the proxy's.
     """
-    skip = (HOP_BY_HOP if bodiless else _RESPONSE_DROP) | _connection_tokens(upstream)
+    drop = HOP_BY_HOP if bodiless else _RESPONSE_DROP if decoded else _REFRAMED_DROP
+    skip = drop | _connection_tokens(upstream)
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in upstream.items():
         if key.lower() not in skip:

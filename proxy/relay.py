@@ -29,7 +29,9 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 
+from proxy import wire
 from proxy.backends.apis import MESSAGES
 from proxy.config import Timeouts
 from proxy.errors import (
@@ -45,6 +47,7 @@ from proxy.headers import downstream_response_headers, is_event_stream, upstream
 from proxy.records import monotonic
 from proxy.sse import EventSplitter
 from proxy.stream_inspect import StreamInspector
+from proxy.wire import Answering, BackendPool, Head
 
 CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
 RETRY_STATUSES = frozenset({502, 503})  # the replica could not take it; another one may
@@ -158,9 +161,54 @@ async def open_upstream(
         raise BackendUnavailable(f"backend unreachable: {exc.__class__.__name__}") from exc
 
 
+async def open_answer(
+    pool: BackendPool,
+    request: web.Request,
+    *,
+    url: str,
+    body: bytes | None,
+    request_id: str,
+    timeouts: Timeouts,
+    backend_api_key: str | None,
+    extra_headers: Mapping[str, str] | None = None,
+) -> tuple[Answering, Head]:
+    """Send an inference request upstream (``proxy.wire``) and wait for its answer's head,
+    translating failures as ``open_upstream`` does."""
+    headers = upstream_request_headers(
+        request.headers, request_id=request_id, backend_api_key=backend_api_key
+    )
+    if extra_headers:
+        headers.update(extra_headers)
+    query = request.rel_url.raw_query_string
+    if query:  # as the client encoded it: decoding would turn %26 into a separator upstream
+        url = f"{url}?{query}"
+    try:
+        # A deadline on the whole response head: a backend dribbling its status line and
+        # headers a byte at a time never trips the between-bytes (idle) timeout.
+        async with asyncio.timeout(timeouts.connect + timeouts.idle):
+            return await wire.send(
+                pool,
+                request.method,
+                url,
+                headers=headers.items(),
+                body=body,
+                connect_s=timeouts.connect,
+                idle_s=timeouts.idle,
+            )
+    except wire.WireConnectTimeout as exc:
+        raise BackendConnectTimeout(f"backend connect timed out: {url}") from exc
+    except TimeoutError as exc:
+        raise BackendTimeout(f"backend did not answer in time: {url}") from exc
+    except wire.WireBadAnswer as exc:
+        # It answered, in bytes that cannot be read: one odd answer, not a replica that is down.
+        raise BackendBadAnswer(f"backend answered unreadable HTTP: {str(exc)[:80]}") from exc
+    except wire.WireError as exc:
+        raise BackendUnavailable(f"backend unreachable: {exc}") from exc
+
+
 async def relay_inference(
     request: web.Request,
-    session: aiohttp.ClientSession,
+    pool: BackendPool,
     ex: Exchange,
     *,
     timeouts: Timeouts,
@@ -175,8 +223,8 @@ async def relay_inference(
     if ex.forwarded is not None:
         ex.forwarded.set()
     try:
-        upstream = await open_upstream(
-            session,
+        answering, head = await open_answer(
+            pool,
             request,
             url=ex.backend_url + ex.upstream_path,
             body=ex.upstream_body,
@@ -190,33 +238,35 @@ async def relay_inference(
             raise NotStarted(exc.message, failure=exc) from exc
         raise
     ex.obs.t_headers = monotonic()
-    async with upstream:
-        ex.status = upstream.status
-        if ex.stream and upstream.status == 200 and is_event_stream(upstream.content_type):
-            return await _relay_stream(request, upstream, ex)
+    try:
+        ex.status = head.status
+        if ex.stream and head.status == 200 and is_event_stream(head.content_type):
+            return await _relay_stream(request, answering, head, ex)
         try:
-            answer = await _read_answer(upstream)
+            answer = await _read_answer(answering, head)
         except BackendUnavailable as exc:
             if retry:
                 raise NotStarted(exc.message, failure=exc) from exc
             raise
+    finally:
+        answering.release()
     if retry and answer.status in RETRY_STATUSES:
         raise NotStarted(f"backend answered {answer.status}", answer=answer)
     return await send_answer(request, ex, answer)
 
 
-async def _read_answer(upstream: aiohttp.ClientResponse) -> Answer:
+async def _read_answer(answering: Answering, head: Head) -> Answer:
     try:
-        payload = await upstream.read()
+        payload = await answering.read()
     except TimeoutError as exc:
         raise BackendTimeout("backend stopped sending before the response was complete") from exc
-    except aiohttp.ClientError as exc:
-        raise BackendUnavailable(f"backend failed mid-response: {exc.__class__.__name__}") from exc
+    except wire.WireError as exc:
+        raise BackendUnavailable(f"backend failed mid-response: {exc}") from exc
     return Answer(
-        status=upstream.status,
-        headers=downstream_response_headers(upstream.headers),
+        status=head.status,
+        headers=downstream_response_headers(head.headers, decoded=False),
         payload=payload,
-        content_type=upstream.content_type or "",
+        content_type=head.content_type,
     )
 
 
@@ -247,56 +297,52 @@ async def send_answer(request: web.Request, ex: Exchange, answer: Answer) -> web
 
 
 async def _relay_stream(
-    request: web.Request, upstream: aiohttp.ClientResponse, ex: Exchange
+    request: web.Request, answering: Answering, head: Head, ex: Exchange
 ) -> web.StreamResponse:
     resp = web.StreamResponse(
-        status=upstream.status, headers=downstream_response_headers(upstream.headers)
+        status=head.status, headers=downstream_response_headers(head.headers, decoded=False)
     )
     resp.headers["X-Request-Id"] = ex.request_id
     resp.headers.update(ex.response_headers)
     resp.headers["X-Accel-Buffering"] = "no"
     resp.headers.setdefault("Cache-Control", "no-cache")
-    await resp.prepare(request)
-    splitter = EventSplitter()
-    inspector = StreamInspector(ex)
-    obs = ex.obs
+    writer = await resp.prepare(request)
+    transport = request.transport
+    if writer is None or transport is None or transport.is_closing():
+        _client_gone(ex, answering)
+        return resp
+    relay = _StreamRelay(answering, ex, transport, chunked=getattr(writer, "chunked", True))
     failure: ProxyError | None = None
-    body_started = False
+    limit = ex.send_timeout_s
     try:
-        async for chunk in upstream.content.iter_any():
-            now = monotonic()
-            forwarded_events = 0
-            if not splitter.pending and inspector.plain_chunk(chunk, now):
-                data = chunk  # the usual read once the answer is under way: one token event
-            elif obs.t_first_visible is None and not splitter.pending:
-                # Token events before the first visible one is timed: forwarded as they are
-                # whatever they hold, so they go out first and are read after.
-                forwarded_events = inspector.unchanged(chunk)
-                data = chunk if forwarded_events else _inspect(splitter, inspector, chunk, now)
-            else:
-                data = _inspect(splitter, inspector, chunk, now)
-            obs.inspect_s += monotonic() - now
-            if data:
-                if not await _write(request, resp, data, ex.send_timeout_s):
-                    _client_gone(ex, upstream)
+        answering.deliver(relay.feed)
+        while not await answering.wait():
+            if relay.error is not None:
+                raise relay.error
+            if relay.gone:
+                _client_gone(ex, answering)
+                return resp
+            if answering.paused:  # the client is behind: wait for it to take what it has
+                if not await _drained(request, writer, limit):
+                    _client_gone(ex, answering)
                     return resp
-                body_started = True
-            if forwarded_events:
-                t0 = monotonic()
-                inspector.read_unchanged(chunk, forwarded_events, now)
-                obs.inspect_s += monotonic() - t0
+                answering.resume()
+        if relay.error is not None:
+            raise relay.error
+        if relay.gone:
+            _client_gone(ex, answering)
+            return resp
     except TimeoutError:
         failure = BackendTimeout("backend stopped sending mid-stream")
         ex.error = "backend_timeout"
-    except aiohttp.ClientPayloadError:
+    except wire.WireError:
         failure = BackendUnavailable("backend closed the stream early")
         ex.error = "backend_disconnected"
-    except aiohttp.ClientError:
-        failure = BackendUnavailable("backend connection failed mid-stream")
-        ex.error = "backend_disconnected"
     except asyncio.CancelledError:
-        _client_gone(ex, upstream)
+        _client_gone(ex, answering)
         raise
+    body_started = relay.body_started
+    splitter, inspector = relay.splitter, relay.inspector
     tail: list[bytes] = []
     inspector.finish(tail)
     rest = splitter.flush()
@@ -305,18 +351,111 @@ async def _relay_stream(
     if failure is not None:
         anthropic = ex.route == MESSAGES
         tail.append(anthropic_sse_error_event(failure) if anthropic else sse_error_event(failure))
-        upstream.close()
-    limit = ex.send_timeout_s
+        answering.abort()
     if tail:
         if not await _write(request, resp, b"".join(tail), limit):
-            _client_gone(ex, upstream)
+            _client_gone(ex, answering)
             return resp
         body_started = True
     if not await _write(request, resp, None, limit, body_started=body_started):
-        _client_gone(ex, upstream)
+        _client_gone(ex, answering)
         return resp
-    obs.t_end = monotonic()
+    ex.obs.t_end = monotonic()
     return resp
+
+
+class _StreamRelay:
+    """A streamed answer's reads, as the connection hands them over (``Answering.deliver``):
+    each is inspected and written to the client at once, inside the read's own callback. What
+    needs the relay's coroutine (the client fell behind, went away, an error) wakes it."""
+
+    __slots__ = (
+        "answering",
+        "body_started",
+        "chunked",
+        "error",
+        "ex",
+        "gone",
+        "high",
+        "inspector",
+        "obs",
+        "splitter",
+        "transport",
+    )
+
+    def __init__(
+        self, answering: Answering, ex: Exchange, transport: asyncio.Transport, *, chunked: bool
+    ) -> None:
+        self.answering = answering
+        self.ex = ex
+        self.obs = ex.obs
+        self.transport = transport
+        self.chunked = chunked
+        self.splitter = EventSplitter()
+        self.inspector = StreamInspector(ex)
+        self.high = transport.get_write_buffer_limits()[1]
+        self.body_started = False
+        self.gone = False
+        self.error: BaseException | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        if self.gone or self.error is not None:
+            return
+        try:
+            self._feed(chunk)
+        except Exception as exc:  # handed to the relay's coroutine, which raises it
+            self.error = exc
+            self.answering.abort()
+            self.answering.wake()
+
+    def _feed(self, chunk: bytes) -> None:
+        splitter, inspector, obs = self.splitter, self.inspector, self.obs
+        now = monotonic()
+        forwarded_events = 0
+        if not splitter.pending and inspector.plain_chunk(chunk, now):
+            data = chunk  # the usual read once the answer is under way: one token event
+        elif obs.t_first_visible is None and not splitter.pending:
+            # Token events before the first visible one is timed: forwarded as they are
+            # whatever they hold, so they go out first and are read after.
+            forwarded_events = inspector.unchanged(chunk)
+            data = chunk if forwarded_events else _inspect(splitter, inspector, chunk, now)
+        else:
+            data = _inspect(splitter, inspector, chunk, now)
+        obs.inspect_s += monotonic() - now
+        if data:
+            transport = self.transport
+            if transport.is_closing():
+                self.gone = True
+                self.answering.abort()
+                self.answering.wake()
+                return
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+            self.body_started = True
+            if transport.get_write_buffer_size() > self.high:
+                self.answering.pause()
+                self.answering.wake()
+        if forwarded_events:
+            t0 = monotonic()
+            inspector.read_unchanged(chunk, forwarded_events, now)
+            obs.inspect_s += monotonic() - t0
+
+
+async def _drained(
+    request: web.Request, writer: AbstractStreamWriter, limit_s: float | None
+) -> bool:
+    """Wait for the client to take what it has been sent, at most ``limit_s``; False (its
+    connection aborted) when it does not, or has gone."""
+    try:
+        async with asyncio.timeout(limit_s):
+            await writer.drain()
+    except ConnectionResetError:
+        return False
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        return False
+    transport = request.transport
+    return transport is not None and not transport.is_closing()
 
 
 def _inspect(
@@ -382,12 +521,12 @@ _LAST_CHUNK = len(b"0\r\n\r\n")
 """What ending a chunked body writes."""
 
 
-def _client_gone(ex: Exchange, upstream: aiohttp.ClientResponse) -> None:
+def _client_gone(ex: Exchange, answering: Answering) -> None:
     """The client disconnected: close the upstream connection so the backend frees its slot."""
     ex.status = CLIENT_CLOSED
     ex.error = "client_disconnected"
     ex.obs.t_end = monotonic()
-    upstream.close()
+    answering.abort()
 
 
 async def relay_passthrough(

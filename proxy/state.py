@@ -19,6 +19,7 @@ from proxy.redact import Redactor
 from proxy.scheduling import Scheduler
 from proxy.store import PrefixStore
 from proxy.tracing import RecordTracer
+from proxy.wire import BackendPool
 
 
 @dataclass(slots=True)
@@ -27,6 +28,9 @@ class ProxyState:
 
     settings: Settings
     session: aiohttp.ClientSession
+    """Pass-through paths and the backends' own endpoints (metrics, slots, health)."""
+    wire: BackendPool
+    """Inference requests (``proxy.wire``): the answer relayed from the connection's reads."""
     fleet: Fleet
     store: PrefixStore
     tracker: PrefixTracker
