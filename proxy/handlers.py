@@ -329,8 +329,8 @@ async def _lookup_answered(state: ProxyState, ex: Exchange) -> None:
 
 async def _after(event: asyncio.Event, work: Awaitable[None]) -> None:
     """``work`` once ``event`` is set and the request's own writes had their turn: the body
-    is written by a task the client library starts right after the event (tasks run in
-    order), so one more turn of the loop lets it go first."""
+    goes out right after the event, at once on a kept-alive connection and otherwise once a
+    new one is made (``proxy.wire.send``); one more turn of the loop lets the first go first."""
     try:
         await event.wait()
         await asyncio.sleep(0)

@@ -22,9 +22,9 @@ What it implements of RFC 9112, as a client to the backends it is configured wit
   lengths, a bad chunk size) is ``WireBadAnswer``.
 - Connections are kept alive and reused, newest first, unless the answer says ``Connection:
   close``, is HTTP/1.0 without ``keep-alive``, or ended by the connection closing; one idle
-  longer than ``keepalive_s`` is closed. A reused connection the backend had closed (servers
-  close idle ones) fails before any byte of an answer: the request is sent once more on a new
-  connection.
+  longer than ``keepalive_s`` is closed. A connection that cannot be made, or is closed before
+  any byte of an answer, is tried once more on a new one: a kept-alive connection the backend
+  had closed while it was idle (servers close idle ones) looks just like that.
 - Time limits: ``connect`` for the TCP (and TLS) connection; ``idle`` between reads once the
   request is sent (the caller also bounds the whole head). A read that stalls past it is
   ``WireTimeout``.
@@ -436,6 +436,15 @@ class Answering:
         return self._dechunk(data)
 
     def _dechunk(self, data: bytes) -> bytes:
+        if self.state == _CHUNK_SIZE and not self.buf:
+            # The usual read of a streamed answer: one whole chunk (one token event).
+            nl = data.find(b"\r\n")
+            if 0 < nl <= 16:
+                text = data[:nl]
+                if not text.strip(_HEX_DIGITS):
+                    size = int(text, 16)
+                    if size and len(data) == nl + size + 4 and data.endswith(b"\r\n"):
+                        return data[nl + 2 : -2]
         buf = self.buf + data if self.buf else data
         self.buf = b""
         pos, end = 0, len(buf)
