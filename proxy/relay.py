@@ -341,9 +341,8 @@ async def _relay_stream(
     except asyncio.CancelledError:
         _client_gone(ex, answering)
         raise
-    body_started = relay.body_started
     splitter, inspector = relay.splitter, relay.inspector
-    tail: list[bytes] = []
+    tail = relay.last  # the read that ended the answer, held to go out with the end
     inspector.finish(tail)
     rest = splitter.flush()
     if rest:
@@ -352,12 +351,9 @@ async def _relay_stream(
         anthropic = ex.route == MESSAGES
         tail.append(anthropic_sse_error_event(failure) if anthropic else sse_error_event(failure))
         answering.abort()
-    if tail:
-        if not await _write(request, resp, b"".join(tail), limit):
-            _client_gone(ex, answering)
-            return resp
-        body_started = True
-    if not await _write(request, resp, None, limit, body_started=body_started):
+    # The rest and the end of the body in one write.
+    end = b"".join(tail)
+    if not await _write(request, resp, end, limit, body_started=relay.body_started, eof=True):
         _client_gone(ex, answering)
         return resp
     ex.obs.t_end = monotonic()
@@ -378,6 +374,7 @@ class _StreamRelay:
         "gone",
         "high",
         "inspector",
+        "last",
         "obs",
         "splitter",
         "transport",
@@ -397,6 +394,9 @@ class _StreamRelay:
         self.body_started = False
         self.gone = False
         self.error: BaseException | None = None
+        self.last: list[bytes] = []
+        """What the read that ended the answer leaves to send: it goes out with the end of the
+        body, in one write (the relay's coroutine is woken by that read at once)."""
 
     def feed(self, chunk: bytes) -> None:
         if self.gone or self.error is not None:
@@ -422,7 +422,9 @@ class _StreamRelay:
         else:
             data = _inspect(splitter, inspector, chunk, now)
         obs.inspect_s += monotonic() - now
-        if data:
+        if data and self.answering.complete:
+            self.last.append(data)
+        elif data:
             transport = self.transport
             if transport.is_closing():
                 self.gone = True
@@ -474,19 +476,23 @@ async def _write(
     limit_s: float | None,
     *,
     body_started: bool = False,
+    eof: bool = False,
 ) -> bool:
-    """Write to the client (``None``: end the body; ``body_started``: some of it was written,
-    so the head has gone out with it); False when the client has gone away.
+    """Write to the client (``None``: end the body; ``eof``: ``data`` and the end of the body
+    in one write; ``body_started``: some of it was written, so the head has gone out with
+    it); False when the client has gone away.
 
     A client that stays connected but stops reading would hold its backend request (a slot)
     forever: backpressure stops the relay, not the backend's work. When a write is not
     accepted within ``limit_s`` the client's connection is aborted and the write counts as
     the client gone, so the caller closes the upstream request.
     """
+    if data is None:
+        data, eof = b"", True
     transport = request.transport
-    size = _LAST_CHUNK if data is None else len(data)
+    size = len(data) + (_LAST_CHUNK if eof else 0)
     if (
-        (data is not None or body_started)
+        (data or body_started)
         and transport is not None
         and transport.get_write_buffer_size() + size <= transport.get_write_buffer_limits()[0]
     ):
@@ -495,19 +501,13 @@ async def _write(
         # already under way (its head is out): it is the last chunk's 5 bytes (the answer is
         # never compressed).
         try:
-            if data is None:
-                await resp.write_eof()
-            else:
-                await resp.write(data)
+            await (resp.write_eof(data) if eof else resp.write(data))
         except ConnectionResetError:
             return False
         return True
     try:
         async with asyncio.timeout(limit_s):
-            if data is None:
-                await resp.write_eof()
-            else:
-                await resp.write(data)
+            await (resp.write_eof(data) if eof else resp.write(data))
     except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one too
         return False
     except TimeoutError:
