@@ -183,18 +183,18 @@ async def open_answer(
     if query:  # as the client encoded it: decoding would turn %26 into a separator upstream
         url = f"{url}?{query}"
     try:
-        # A deadline on the whole response head: a backend dribbling its status line and
-        # headers a byte at a time never trips the between-bytes (idle) timeout.
-        async with asyncio.timeout(timeouts.connect + timeouts.idle):
-            return await wire.send(
-                pool,
-                request.method,
-                url,
-                headers=headers.items(),
-                body=body,
-                connect_s=timeouts.connect,
-                idle_s=timeouts.idle,
-            )
+        # A deadline on the whole response head (``head_s``): a backend dribbling its status
+        # line and headers a byte at a time never trips the between-bytes (idle) timeout.
+        return await wire.send(
+            pool,
+            request.method,
+            url,
+            headers=headers.items(),
+            body=body,
+            connect_s=timeouts.connect,
+            idle_s=timeouts.idle,
+            head_s=timeouts.connect + timeouts.idle,
+        )
     except wire.WireConnectTimeout as exc:
         raise BackendConnectTimeout(f"backend connect timed out: {url}") from exc
     except TimeoutError as exc:

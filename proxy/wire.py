@@ -37,6 +37,7 @@ run while paused.
 from __future__ import annotations
 
 import asyncio
+import math
 import ssl
 from collections.abc import Callable, Iterable
 from typing import Final
@@ -175,10 +176,18 @@ class Answering:
     connection back to the pool (only a complete answer's) or closes it.
     """
 
-    def __init__(self, conn: BackendConnection, *, idle_s: float | None, head_request: bool):
+    def __init__(
+        self,
+        conn: BackendConnection,
+        *,
+        idle_s: float | None,
+        head_request: bool,
+        head_by: float = math.inf,
+    ):
         self.conn = conn
         self.loop = conn.loop
         self.idle_s = idle_s
+        self.head_by = head_by  # (loop time) the head must have come by then
         self.head_request = head_request
         self.state = _HEAD
         self.buf = b""
@@ -287,12 +296,17 @@ class Answering:
 
     # -- the idle timer: one handle, re-armed lazily (as ``proxy.upstream`` does) ---------
 
+    def _next_deadline(self, now: float) -> float:
+        """The idle limit from ``now``, and the head's own deadline until the head has come."""
+        deadline = now + self.idle_s if self.idle_s else math.inf
+        return min(deadline, self.head_by) if self._head is None else deadline
+
     def _arm(self) -> None:
-        idle = self.idle_s
-        if not idle:
-            return
-        deadline = self.loop.time() + idle
+        deadline = self._next_deadline(self.loop.time())
         self._deadline = deadline
+        if deadline == math.inf:
+            self._disarm()
+            return
         timer = self._timer
         if timer is None or timer.when() > deadline:
             if timer is not None:
@@ -308,8 +322,13 @@ class Answering:
         self._timer = None
         if self.state == _DONE or self.paused:
             return
-        if self._deadline > self.loop.time():
-            self._timer = self.loop.call_at(self._deadline, self._due)
+        now = self.loop.time()
+        if self._deadline > now:
+            if self._deadline != math.inf:
+                self._timer = self.loop.call_at(self._deadline, self._due)
+            return
+        if self._head is None and now >= self.head_by:
+            self._fail(WireTimeout("the backend's answer head did not come in time"))
             return
         what = "the answer's head" if self._head is None else "the rest of the answer"
         self._fail(WireTimeout(f"the backend sent nothing for {self.idle_s:g} s ({what})"))
@@ -335,7 +354,7 @@ class Answering:
             return
         self.got_bytes = True
         if self._timer is not None:
-            self._deadline = self.loop.time() + self.idle_s  # type: ignore[operator]
+            self._deadline = self._next_deadline(self.loop.time())
         try:
             if self.state == _HEAD:
                 data = self._read_head(data)
@@ -382,6 +401,10 @@ class Answering:
             break
         self.buf = b""
         self._head = head
+        if self.head_by != math.inf:
+            self._deadline = self._next_deadline(self.loop.time())
+            if self._deadline == math.inf:
+                self._disarm()
         self._frame(head)
         return buf
 
@@ -660,28 +683,34 @@ async def send(
     body: bytes | None,
     connect_s: float | None,
     idle_s: float | None,
+    head_s: float | None = None,
 ) -> tuple[Answering, Head]:
     """Send a request and wait for its answer's head (``WireError``, ``TimeoutError``).
 
     A connection that fails, or is closed before any byte of an answer arrived, is tried once
     more on a new connection: a kept-alive one the backend had closed while it was idle looks
-    just like that. A timeout is not retried.
+    just like that. A timeout is not retried. ``head_s`` bounds the whole wait for the head,
+    connecting included (``WireConnectTimeout`` or ``WireTimeout`` after it), however steadily
+    the backend dribbles it.
     """
     key, target, host = pool.origin(url)
     data = _request_bytes(method, target, host, headers, body)
     head_request = method == "HEAD"
+    head_by = pool.loop.time() + head_s if head_s else math.inf
     tries = 2
     while True:
         tries -= 1
+        connect_by = pool.loop.time() + connect_s if connect_s else math.inf
+        limit: float | None = min(connect_by, head_by) - pool.loop.time()
+        if limit == math.inf:
+            limit = None
         try:
-            conn = await (
-                pool.connect(key, connect_s) if tries else pool.new_connection(key, connect_s)
-            )
+            conn = await (pool.connect(key, limit) if tries else pool.new_connection(key, limit))
         except WireConnectError:
             if not tries:
                 raise
             continue
-        answering = Answering(conn, idle_s=idle_s, head_request=head_request)
+        answering = Answering(conn, idle_s=idle_s, head_request=head_request, head_by=head_by)
         conn.answering = answering
         try:
             transport = conn.transport
