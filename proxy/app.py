@@ -70,6 +70,10 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
         resp = error_response(exc.status, exc.reason, type_="invalid_request_error", request_id=rid)
     except Exception:
         log.exception("unhandled_error", path=request.path)
+        if request.writer.output_size > 0:
+            # A response has started: another one after it would be read as its body. The
+            # connection is closed instead (aiohttp does, with the exception raised on).
+            raise
         resp = error_response(500, "internal proxy error", type_="server_error", request_id=rid)
     finally:
         structlog.contextvars.unbind_contextvars("request_id")

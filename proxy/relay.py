@@ -44,10 +44,13 @@ from proxy.errors import (
 )
 from proxy.exchange import Exchange
 from proxy.headers import downstream_response_headers, is_event_stream, upstream_request_headers
+from proxy.log import get_logger
 from proxy.records import monotonic
 from proxy.sse import EventSplitter
 from proxy.stream_inspect import StreamInspector
 from proxy.wire import Answering, BackendPool, Head
+
+log = get_logger()
 
 CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
 RETRY_STATUSES = frozenset({502, 503})  # the replica could not take it; another one may
@@ -315,10 +318,10 @@ async def _relay_stream(
     failure: ProxyError | None = None
     limit = ex.send_timeout_s
     try:
-        answering.deliver(relay.feed)
-        while not await answering.wait():
+        answering.deliver(relay.feed)  # (what came with the head is fed at once, here)
+        while True:  # what the reads left for the coroutine, before every wait
             if relay.error is not None:
-                raise relay.error
+                break
             if relay.gone:
                 _client_gone(ex, answering)
                 return resp
@@ -327,11 +330,19 @@ async def _relay_stream(
                     _client_gone(ex, answering)
                     return resp
                 answering.resume()
+                continue
+            try:
+                if await answering.wait():
+                    break
+            except (wire.WireError, TimeoutError):
+                if relay.error is None and not relay.gone:
+                    raise  # the backend's failure; else the read's own, seen at the top
         if relay.error is not None:
-            raise relay.error
-        if relay.gone:
-            _client_gone(ex, answering)
-            return resp
+            # A failure of the proxy's own inside a read (a bug): the stream ends with an
+            # error event, as for a backend failure, rather than mid-event.
+            log.error("relay_failed", exc_info=relay.error)
+            failure = ProxyError("internal proxy error while relaying the answer")
+            ex.error = "server_error"
     except TimeoutError:
         failure = BackendTimeout("backend stopped sending mid-stream")
         ex.error = "backend_timeout"
@@ -450,7 +461,7 @@ async def _drained(
     try:
         async with asyncio.timeout(limit_s):
             await writer.drain()
-    except ConnectionResetError:
+    except ConnectionError:  # reset, or lost ("Connection lost" fails aiohttp's drain)
         return False
     except TimeoutError:
         if request.transport is not None:

@@ -37,11 +37,13 @@ run while paused.
 from __future__ import annotations
 
 import asyncio
+import base64
 import math
+import re
 import ssl
 from collections.abc import Callable, Iterable
 from typing import Final
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -49,6 +51,14 @@ MAX_HEAD_BYTES: Final = 64 * 1024
 MAX_CHUNK_LINE: Final = 4096
 BODILESS_STATUSES: Final = frozenset({204, 304})
 _HEX_DIGITS: Final = b"0123456789abcdefABCDEF"
+# Anything but a visible character, a space or a tab in a field, or a CR or LF that is not a
+# line end: what a lenient reader would let through to the client's answer.
+_BAD_HEAD_BYTES: Final = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
+
+
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
 
 # Framing of the body being read.
 _HEAD, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _LENGTH, _UNTIL_CLOSE, _DONE = range(8)
@@ -101,10 +111,12 @@ class Head:
 
 def _parse_head(raw: bytes) -> Head:
     """A head's bytes (up to, not including, the blank line) as a ``Head``."""
+    if _BAD_HEAD_BYTES.search(raw) is not None:
+        raise WireBadAnswer("control characters or a bare line end in the answer's head")
     lines = raw.decode("latin-1").split("\r\n")
     version, _, rest = lines[0].partition(" ")
     code, _, reason = rest.partition(" ")
-    if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit():
+    if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not _digits(code):
         raise WireBadAnswer(f"not an HTTP/1.1 status line: {lines[0][:40]!r}")
     headers: CIMultiDict[str] = CIMultiDict()
     last: str | None = None
@@ -135,9 +147,9 @@ class BackendConnection(asyncio.Protocol):
         self.loop = pool.loop
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.closed_here = False  # closed by this side (an answer cut short, not ended)
         self.answering: Answering | None = None
         self.idle_since = 0.0
-        self.reused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -162,7 +174,7 @@ class BackendConnection(asyncio.Protocol):
 
     def close(self) -> None:
         """Close the connection (not reused); reading stops at once."""
-        self.closed = True
+        self.closed = self.closed_here = True
         if self.transport is not None:
             self.transport.close()
 
@@ -262,18 +274,28 @@ class Answering:
         conn = self.conn
         if conn.answering is self:
             conn.answering = None
-        if self.state == _DONE and self.keep_alive and self._failure is None and not conn.closed:
+        if (
+            self.state == _DONE
+            and self.keep_alive
+            and self._failure is None
+            and not self.paused
+            and not conn.closed
+        ):
             conn.pool.put(conn)
         else:
             conn.close()
 
     def abort(self) -> None:
-        """Give the answer up: the connection is closed at once (the backend sees it)."""
+        """Give the answer up: the connection is closed at once (the backend sees it); a
+        ``wait`` then raises."""
         self._disarm()
         self.keep_alive = False
         if self.conn.answering is self:
             self.conn.answering = None
         self.conn.close()
+        if self.state != _DONE and self._failure is None:
+            self._failure = WireError("the answer was given up")
+        self.wake()
 
     async def _wait(self) -> None:
         if self._failure is not None:
@@ -338,7 +360,7 @@ class Answering:
     def lost(self, exc: Exception | None) -> None:
         if self.state == _DONE or self._failure is not None:
             return
-        if self.state == _UNTIL_CLOSE and exc is None:
+        if self.state == _UNTIL_CLOSE and exc is None and not self.conn.closed_here:
             self.state = _DONE  # a body that ends with the connection, ended
             self._disarm()
             self.wake()
@@ -417,6 +439,12 @@ class Answering:
             self.keep_alive = False
         if self.head_request or head.status in BODILESS_STATUSES:
             self.state = _DONE
+            if head.status in BODILESS_STATUSES and (
+                "Transfer-Encoding" in headers or headers.get("Content-Length", "0").strip() != "0"
+            ):
+                # A body announced where none can be (llama-server's ``/cors-proxy`` sends
+                # ``0\r\n\r\n`` after a 204): whatever follows is not the next answer.
+                self.keep_alive = False
             return
         codings = ",".join(headers.getall("Transfer-Encoding", ())).lower()
         if codings:
@@ -429,7 +457,7 @@ class Answering:
         lengths = {v.strip() for v in ",".join(headers.getall("Content-Length", ())).split(",")}
         lengths.discard("")
         if lengths:
-            if len(lengths) != 1 or not (length := lengths.pop()).isdigit():
+            if len(lengths) != 1 or not _digits(length := lengths.pop()):
                 raise WireBadAnswer("the answer's Content-Length cannot be read")
             self.need = int(length)
             self.state = _LENGTH if self.need else _DONE
@@ -536,7 +564,7 @@ class BackendPool:
         self.keepalive_s = keepalive_s
         self._idle: dict[str, list[BackendConnection]] = {}
         self._all: set[BackendConnection] = set()
-        self._origins: dict[str, tuple[str, int, bool, bytes]] = {}
+        self._origins: dict[str, tuple[str, int, bool, bytes, bytes | None]] = {}
         self._tls: ssl.SSLContext | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweep: asyncio.TimerHandle | None = None
@@ -548,8 +576,9 @@ class BackendPool:
             self._loop = asyncio.get_running_loop()
         return self._loop
 
-    def origin(self, url: str) -> tuple[str, str, bytes]:
-        """``url``'s origin key, its request target (path and query) and its ``Host`` line."""
+    def origin(self, url: str) -> tuple[str, str, bytes, bytes | None]:
+        """``url``'s origin key, its request target (path and query), its ``Host`` line and the
+        ``Authorization`` line its credentials make (``http://user:password@host``), if any."""
         scheme, sep, rest = url.partition("://")
         if not sep:
             raise WireConnectError(f"not an absolute URL: {url[:80]!r}")
@@ -568,9 +597,15 @@ class BackendPool:
             host = parts.hostname
             shown = f"[{host}]" if ":" in host else host
             host_header = shown if port == (443 if tls else 80) else f"{shown}:{port}"
-            known = (host, port, tls, f"Host: {host_header}\r\n".encode("latin-1"))
+            auth = None
+            if parts.username is not None:
+                pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+                token = base64.b64encode(pair.encode("utf-8")).decode("ascii")
+                auth = f"Authorization: Basic {token}\r\n".encode("ascii")
+            host_line = f"Host: {host_header}\r\n".encode("latin-1")
+            known = (host, port, tls, host_line, auth)
             self._origins[key] = known
-        return key, "/" + path if slash else "/", known[3]
+        return key, "/" + path if slash else "/", known[3], known[4]
 
     async def connect(self, key: str, connect_s: float | None) -> BackendConnection:
         """An idle connection to ``key`` (newest first), or a new one."""
@@ -586,14 +621,13 @@ class BackendPool:
                     idle.clear()
                     break
                 if not conn.closed:
-                    conn.reused = True
                     return conn
         return await self.new_connection(key, connect_s)
 
     async def new_connection(self, key: str, connect_s: float | None) -> BackendConnection:
         if self._closed:
             raise WireConnectError("the proxy is shutting down")
-        host, port, tls, _ = self._origins[key]
+        host, port, tls, _, _ = self._origins[key]
         context: ssl.SSLContext | None = None
         if tls:
             if self._tls is None:
@@ -609,9 +643,9 @@ class BackendPool:
                     server_hostname=host if tls else None,
                 )
         except TimeoutError as exc:
-            raise WireConnectTimeout(f"connecting to {key} timed out") from exc
+            raise WireConnectTimeout("connecting timed out") from exc
         except (OSError, ssl.SSLError) as exc:
-            raise WireConnectError(f"cannot connect to {key}: {exc.__class__.__name__}") from exc
+            raise WireConnectError(f"cannot connect: {exc.__class__.__name__}") from exc
         self._all.add(conn)
         return conn
 
@@ -620,7 +654,6 @@ class BackendPool:
         if self._closed or conn.closed:
             conn.close()
             return
-        conn.reused = False
         conn.idle_since = self.loop.time()
         self._idle.setdefault(conn.origin, []).append(conn)
         if self._sweep is None:
@@ -660,11 +693,20 @@ class BackendPool:
 
 
 def _request_bytes(
-    method: str, target: str, host: bytes, headers: Iterable[tuple[str, str]], body: bytes | None
+    method: str,
+    target: str,
+    host: bytes,
+    headers: Iterable[tuple[str, str]],
+    body: bytes | None,
+    auth: bytes | None = None,
 ) -> bytes:
     parts = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1"), host]
     for name, value in headers:
+        if auth is not None and name.lower() == "authorization":
+            auth = None  # the request's own credentials win over the URL's
         parts.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
+    if auth is not None:
+        parts.append(auth)
     parts.append(b"Accept-Encoding: identity\r\n")
     if body is not None or method in ("POST", "PUT", "PATCH"):
         parts.append(b"Content-Length: %d\r\n" % len(body or b""))
@@ -693,13 +735,15 @@ async def send(
     connecting included (``WireConnectTimeout`` or ``WireTimeout`` after it), however steadily
     the backend dribbles it.
     """
-    key, target, host = pool.origin(url)
-    data = _request_bytes(method, target, host, headers, body)
+    key, target, host, auth = pool.origin(url)
+    data = _request_bytes(method, target, host, headers, body, auth)
     head_request = method == "HEAD"
     head_by = pool.loop.time() + head_s if head_s else math.inf
     tries = 2
     while True:
         tries -= 1
+        if pool.loop.time() >= head_by:
+            raise WireTimeout("the backend's answer head did not come in time")
         connect_by = pool.loop.time() + connect_s if connect_s else math.inf
         limit: float | None = min(connect_by, head_by) - pool.loop.time()
         if limit == math.inf:

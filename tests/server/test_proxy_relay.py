@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -182,3 +183,44 @@ async def test_query_string_reaches_the_backend_as_encoded(
         async with client.post(f"{path}?{query}", json=CHAT) as resp:
             assert resp.status == 200
     assert llama_fake.last_query == {"tag": "a&b=c#d", "x": " y"}
+
+
+async def test_an_inspection_failure_on_the_first_read_ends_the_stream(
+    llama_fake: LlamaFake, make_proxy: MakeProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that fails inside its own callback, even the one fed while the client's head was
+    being sent (nothing waits on the answer yet), ends the exchange: the stream ends with an
+    error event, the record says so, nothing hangs."""
+    from proxy import stream_inspect
+
+    def broken(self: object, chunk: bytes, now: float) -> bool:
+        raise RuntimeError("inspection failed")
+
+    monkeypatch.setattr(stream_inspect.StreamInspector, "plain_chunk", broken)
+    client, records, _ = await make_proxy(llama_fake.url)
+    async with asyncio.timeout(5):
+        async with client.post("/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+            assert r.status == 200
+            raw = await r.read()
+    last = sse_payloads(raw)[-1]
+    assert last["error"]["type"] == "server_error"
+    await records.wait(1)
+    assert records[0].error == "server_error"
+
+
+async def test_a_failure_after_the_answer_started_closes_the_connection(
+    llama_fake: LlamaFake, make_proxy: MakeProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unexpected failure once the response's head is out cannot become a 500 (it would be
+    read as the body's next bytes): the client's connection is closed, cutting the body."""
+    from proxy import relay
+
+    async def broken(*args: object, **kwargs: object) -> bool:
+        raise RuntimeError("failed at the end")
+
+    monkeypatch.setattr(relay, "_write", broken)
+    client, _, _ = await make_proxy(llama_fake.url)
+    with pytest.raises(aiohttp.ClientPayloadError):
+        async with asyncio.timeout(5):
+            async with client.post("/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+                await r.read()

@@ -136,6 +136,7 @@ async def test_the_request_carries_host_length_identity_and_the_headers_given() 
         (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello", b"hello", True),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", b"", True),
         (b"HTTP/1.1 204 No Content\r\n\r\n", b"", True),
+        (b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", b"", False),
         (
             b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
             b"ok",
@@ -191,6 +192,9 @@ async def test_a_body_that_ends_with_the_connection() -> None:
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\nok\r\n0\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nokXX0\r\n\r\n",
         b"HTTP/1.1 101 Switching Protocols\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nX-A: a\nb\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (70 * 1024),
     ],
 )
@@ -356,3 +360,74 @@ def test_chunked_bodies_decode_the_same_however_the_reads_are_cut(
         assert b"".join(got) == b"".join(parts)
     finally:
         conn.loop.close()
+
+
+@pytest.mark.parametrize("own", [False, True])
+async def test_credentials_in_the_backend_url_are_sent_unless_the_request_has_its_own(
+    own: bool,
+) -> None:
+    seen: list[bytes] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, _ = await read_request(reader)
+        seen.append(head)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+
+    async with server(script) as (url, _):
+        pool = BackendPool()
+        headers = [("Authorization", "Bearer mine")] if own else []
+        answering, _ = await wire.send(
+            pool,
+            "POST",
+            url.replace("http://", "http://us%40er:p%3Ass@") + "/x",
+            headers=headers,
+            body=b"{}",
+            connect_s=5.0,
+            idle_s=5.0,
+        )
+        await answering.read()
+        answering.release()
+        await pool.close()
+    lines = seen[0].decode().split("\r\n")
+    auth = [line for line in lines if line.lower().startswith("authorization:")]
+    # base64 of "us@er:p:ss"
+    assert auth == (
+        ["Authorization: Bearer mine"] if own else ["Authorization: Basic dXNAZXI6cDpzcw=="]
+    )
+    assert not any(
+        "us%40er" in line or "us@er" in line for line in lines if line.startswith("Host")
+    )
+
+
+async def test_a_body_ending_with_the_connection_is_cut_short_when_this_side_closes() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\npart")
+        await writer.drain()
+        await reader.read()
+
+    async with server(script) as (url, _):
+        pool = BackendPool()
+        answering, _ = await exchange(pool, url)
+        await asyncio.sleep(0.05)
+        await pool.close()  # shutting down while the answer is being read
+        with pytest.raises(wire.WireError):
+            await answering.read()
+        answering.release()
+
+
+async def test_a_given_up_answer_fails_its_wait() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD)
+        await writer.drain()
+        await reader.read()
+
+    async with server(script) as (url, _):
+        pool = BackendPool()
+        answering, _ = await exchange(pool, url)
+        answering.abort()
+        with pytest.raises(wire.WireError):
+            await asyncio.wait_for(answering.wait(), 2)
+        await pool.close()
