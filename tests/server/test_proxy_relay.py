@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from fakes import DONE, PING, FakeBackend, LlamaFake, MakeProxy, VllmFake, sse_events, sse_payloads
 
@@ -224,3 +225,36 @@ async def test_a_failure_after_the_answer_started_closes_the_connection(
         async with asyncio.timeout(5):
             async with client.post("/v1/chat/completions", json={**CHAT, "stream": True}) as r:
                 await r.read()
+
+
+async def test_an_http_1_0_client_gets_the_stream_unchunked_until_the_connection_closes(
+    llama_fake: LlamaFake, make_proxy: MakeProxy
+) -> None:
+    """The relay frames what it writes itself: an HTTP/1.0 client gets no chunked framing (its
+    body ends when the connection does), with the events exactly as an HTTP/1.1 client's."""
+    client, _, _ = await make_proxy(llama_fake.url)
+    req = {**CHAT, "stream": True}
+    async with client.post("/v1/chat/completions", json=req) as resp:
+        want = await resp.read()
+    body = orjson.dumps(req)
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.0\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+    )
+    await writer.drain()
+    async with asyncio.timeout(5):
+        raw = await reader.read()  # to the end: the proxy closes the connection
+    writer.close()
+    head, _, got = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") or head.startswith(b"HTTP/1.1 200")
+    assert b"transfer-encoding" not in head.lower()
+
+    def events(raw: bytes) -> list[dict[str, Any]]:  # (the second one's cache differs)
+        return [
+            {k: v for k, v in e.items() if k not in ("timings", "created")}
+            for e in sse_payloads(raw)
+        ]
+
+    assert events(got) == events(want)
+    assert got.endswith(DONE)
