@@ -30,6 +30,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
+from multidict import CIMultiDict
 
 from proxy import wire
 from proxy.backends.apis import MESSAGES
@@ -109,6 +110,42 @@ def upstream_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
     )
 
 
+def _upstream_failure(exc: BaseException, url: str) -> ProxyError:
+    """A failure to get an answer's head from either client (aiohttp's, ``proxy.wire``), as
+    the client is told of it."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError | wire.WireConnectTimeout):
+        return BackendConnectTimeout(f"backend connect timed out: {url}")
+    if isinstance(exc, TimeoutError):
+        return BackendTimeout(f"backend did not answer in time: {url}")
+    # It answered, in bytes that cannot be read: one odd answer, not a replica that is down.
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return BackendBadAnswer(f"backend answered unreadable HTTP: {exc.message[:80]}")
+    if isinstance(exc, wire.WireBadAnswer):
+        return BackendBadAnswer(f"backend answered unreadable HTTP: {str(exc)[:80]}")
+    why = str(exc) if isinstance(exc, wire.WireError) else exc.__class__.__name__
+    return BackendUnavailable(f"backend unreachable: {why}")
+
+
+def _outgoing(
+    request: web.Request,
+    url: str,
+    request_id: str,
+    backend_api_key: str | None,
+    extra_headers: Mapping[str, str] | None,
+) -> tuple[CIMultiDict[str], str]:
+    """The headers and the URL a request goes upstream with (``extra_headers`` replace the
+    client's of the same names: the trace context)."""
+    headers = upstream_request_headers(
+        request.headers, request_id=request_id, backend_api_key=backend_api_key
+    )
+    if extra_headers:
+        headers.update(extra_headers)
+    query = request.rel_url.raw_query_string
+    if query:  # as the client encoded it: decoding would turn %26 into a separator upstream
+        url = f"{url}?{query}"
+    return headers, url
+
+
 async def open_upstream(
     session: aiohttp.ClientSession,
     request: web.Request,
@@ -124,14 +161,7 @@ async def open_upstream(
 
     ``extra_headers`` replace the client's of the same names (the trace context).
     """
-    headers = upstream_request_headers(
-        request.headers, request_id=request_id, backend_api_key=backend_api_key
-    )
-    if extra_headers:
-        headers.update(extra_headers)
-    query = request.rel_url.raw_query_string
-    if query:  # as the client encoded it: decoding would turn %26 into a separator upstream
-        url = f"{url}?{query}"
+    headers, url = _outgoing(request, url, request_id, backend_api_key, extra_headers)
 
     async def send() -> aiohttp.ClientResponse:
         # A deadline on the whole response head: a backend dribbling its status line and
@@ -153,15 +183,8 @@ async def open_upstream(
             # A pooled keep-alive connection the backend had already closed (llama-server
             # closes idle ones): nothing was answered, so one retry on a new connection is safe.
             return await send()
-    except aiohttp.ConnectionTimeoutError as exc:
-        raise BackendConnectTimeout(f"backend connect timed out: {url}") from exc
-    except TimeoutError as exc:
-        raise BackendTimeout(f"backend did not answer in time: {url}") from exc
-    except aiohttp.ClientResponseError as exc:
-        # It answered, in bytes the parser refuses: one odd answer, not a replica that is down.
-        raise BackendBadAnswer(f"backend answered unreadable HTTP: {exc.message[:80]}") from exc
-    except aiohttp.ClientError as exc:
-        raise BackendUnavailable(f"backend unreachable: {exc.__class__.__name__}") from exc
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise _upstream_failure(exc, url) from exc
 
 
 async def open_answer(
@@ -177,14 +200,7 @@ async def open_answer(
 ) -> tuple[Answering, Head]:
     """Send an inference request upstream (``proxy.wire``) and wait for its answer's head,
     translating failures as ``open_upstream`` does."""
-    headers = upstream_request_headers(
-        request.headers, request_id=request_id, backend_api_key=backend_api_key
-    )
-    if extra_headers:
-        headers.update(extra_headers)
-    query = request.rel_url.raw_query_string
-    if query:  # as the client encoded it: decoding would turn %26 into a separator upstream
-        url = f"{url}?{query}"
+    headers, url = _outgoing(request, url, request_id, backend_api_key, extra_headers)
     try:
         # A deadline on the whole response head (``head_s``): a backend dribbling its status
         # line and headers a byte at a time never trips the between-bytes (idle) timeout.
@@ -198,15 +214,8 @@ async def open_answer(
             idle_s=timeouts.idle,
             head_s=timeouts.connect + timeouts.idle,
         )
-    except wire.WireConnectTimeout as exc:
-        raise BackendConnectTimeout(f"backend connect timed out: {url}") from exc
-    except TimeoutError as exc:
-        raise BackendTimeout(f"backend did not answer in time: {url}") from exc
-    except wire.WireBadAnswer as exc:
-        # It answered, in bytes that cannot be read: one odd answer, not a replica that is down.
-        raise BackendBadAnswer(f"backend answered unreadable HTTP: {str(exc)[:80]}") from exc
-    except wire.WireError as exc:
-        raise BackendUnavailable(f"backend unreachable: {exc}") from exc
+    except (TimeoutError, wire.WireError) as exc:
+        raise _upstream_failure(exc, url) from exc
 
 
 async def relay_inference(

@@ -511,10 +511,8 @@ class Answering:
                     break
                 state = _CHUNK_END
             elif state == _CHUNK_SIZE:
-                nl = buf.find(b"\r\n", pos)
+                nl = _line_end(buf, pos, MAX_CHUNK_LINE, "a chunk size line")
                 if nl < 0:
-                    if end - pos > MAX_CHUNK_LINE:
-                        raise WireBadAnswer("a chunk size line over 4 KiB")
                     break
                 text = buf[pos:nl].split(b";", 1)[0].strip(b" \t")
                 if not text or text.strip(_HEX_DIGITS) or len(text) > 16:
@@ -534,10 +532,8 @@ class Answering:
                 pos += 2
                 state = _CHUNK_SIZE
             elif state == _TRAILER:
-                nl = buf.find(b"\r\n", pos)
+                nl = _line_end(buf, pos, MAX_HEAD_BYTES, "a trailer line")
                 if nl < 0:
-                    if end - pos > MAX_HEAD_BYTES:
-                        raise WireBadAnswer("trailers over 64 KiB")
                     break
                 if nl == pos:  # the blank line: the answer is complete
                     pos += 2
@@ -555,6 +551,15 @@ class Answering:
         if not out:
             return b""
         return out[0] if len(out) == 1 else b"".join(out)
+
+
+def _line_end(buf: bytes, pos: int, limit: int, what: str) -> int:
+    """Where the line starting at ``pos`` ends (its CR), or -1 while it may still come whole;
+    a line already longer than ``limit`` is a bad answer."""
+    nl = buf.find(b"\r\n", pos)
+    if nl < 0 and len(buf) - pos > limit:
+        raise WireBadAnswer(f"{what} over {limit} bytes")
+    return nl
 
 
 class BackendPool:
