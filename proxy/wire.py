@@ -12,21 +12,24 @@ keeps using the aiohttp session (``proxy.upstream``).
 What it implements of RFC 9112, as a client to the backends it is configured with:
 
 - Requests: ``METHOD target HTTP/1.1``, the headers given (``Host`` and ``Content-Length``
-  computed), the body in one write. ``Accept-Encoding: identity`` is asked for, since the relay
-  reads the answer; an encoded answer is relayed as it came, its ``Content-Encoding`` kept.
+  computed; credentials in the backend's URL sent as Basic ``Authorization`` unless the request
+  has its own), the body in one write. ``Accept-Encoding: identity`` is asked for, since the
+  relay reads the answer; an encoded answer is relayed as it came, its ``Content-Encoding`` kept.
 - Answers: the status line and header fields (obsolete line folding joined with a space;
   ``1xx`` interim answers skipped), then the body by its framing: none (``204``, ``304``, an
   answer to ``HEAD``), ``Transfer-Encoding`` ending in ``chunked`` (extensions ignored,
   trailers read and dropped), ``Content-Length``, or until the connection closes. A head that
-  cannot be read (over 64 KiB, no status line, a field line without a colon, conflicting
-  lengths, a bad chunk size) is ``WireBadAnswer``.
+  cannot be read (over 64 KiB, no status line, a field line without a colon, control
+  characters or a bare CR or LF, conflicting lengths, a bad chunk size) is ``WireBadAnswer``.
 - Connections are kept alive and reused, newest first, unless the answer says ``Connection:
-  close``, is HTTP/1.0 without ``keep-alive``, or ended by the connection closing; one idle
+  close``, is HTTP/1.0 without ``keep-alive``, ended by the connection closing, or announced a
+  body it cannot have (a ``204`` or ``304`` with a length or chunks); one idle
   longer than ``keepalive_s`` is closed. A connection that cannot be made, or is closed before
   any byte of an answer, is tried once more on a new one: a kept-alive connection the backend
   had closed while it was idle (servers close idle ones) looks just like that.
 - Time limits: ``connect`` for the TCP (and TLS) connection; ``idle`` between reads once the
-  request is sent (the caller also bounds the whole head). A read that stalls past it is
+  request is sent; ``head_s`` for the whole head, connecting included, however steadily the
+  backend dribbles it (one timer per answer does both). A read that stalls past either is
   ``WireTimeout``.
 
 Flow control: ``Answering.pause`` stops reading from the backend (the client is not taking
