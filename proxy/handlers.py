@@ -39,20 +39,15 @@ from proxy.errors import (
 from proxy.exchange import Exchange, Outgoing, Target, build_record, settle_view
 from proxy.fleet import Replica
 from proxy.log import get_logger
+from proxy.passthrough import relay_passthrough
 from proxy.prefixes import PrefixTracker, PrefixView
 from proxy.records import Observation, monotonic
-from proxy.relay import (
-    CLIENT_CLOSED,
-    BackendConnectTimeout,
-    NotStarted,
-    relay_inference,
-    relay_passthrough,
-    send_answer,
-)
+from proxy.relay import BackendConnectTimeout, NotStarted, relay_inference, send_answer
 from proxy.routing import RETRY_REASON, Decision
 from proxy.scheduling import Ticket
 from proxy.state import REQUEST_ID, STATE, T_START, TENANT, ProxyState, proxy_state
 from proxy.store import DEFAULT_NAMESPACE
+from proxy.stream_relay import CLIENT_CLOSED
 from proxy.validation import parse_object, read_body, validate_inference
 
 log = get_logger()

@@ -214,12 +214,12 @@ async def test_a_failure_after_the_answer_started_closes_the_connection(
 ) -> None:
     """An unexpected failure once the response's head is out cannot become a 500 (it would be
     read as the body's next bytes): the client's connection is closed, cutting the body."""
-    from proxy import relay
+    from proxy import stream_relay
 
     async def broken(*args: object, **kwargs: object) -> bool:
         raise RuntimeError("failed at the end")
 
-    monkeypatch.setattr(relay, "_write", broken)
+    monkeypatch.setattr(stream_relay, "write_to_client", broken)
     client, _, _ = await make_proxy(llama_fake.url)
     with pytest.raises(aiohttp.ClientPayloadError):
         async with asyncio.timeout(5):

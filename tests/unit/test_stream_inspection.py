@@ -143,9 +143,9 @@ def test_shortcut_observes_what_parsing_does(events: list[bytes], dialect: str) 
 def relay_chunks(
     chunks: list[bytes], route: str, dialect: str, *, first_visible: float | None = None
 ) -> tuple[Observation, list[bytes]]:
-    """The relay's own loop over upstream reads (``proxy.relay._relay_stream``): a read that is
-    nothing but plain token events is counted and forwarded whole (before the first visible
-    token: forwarded, then read), anything else is split."""
+    """The relay's own handling of upstream reads (``proxy.stream_relay._StreamRelay``): a read
+    that is nothing but plain token events is counted and forwarded whole (before the first
+    visible token: forwarded, then read), anything else is split."""
     ex = Exchange(
         request_id="r",
         route=route,

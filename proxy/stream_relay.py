@@ -1,0 +1,280 @@
+"""A streamed answer relayed read by read, and the proxy's writes to its clients.
+
+Each read of the backend's answer reaches ``_StreamRelay.feed`` inside the connection's own
+callback (``proxy.wire``'s ``Answering.deliver``): its events are looked at (``StreamInspector``:
+token times, usage, the usage-only event the client did not ask for removed) and written to the
+client's transport there and then, framed as a chunk. ``relay_stream``'s coroutine wakes only
+when the answer ends or fails, when the client falls behind (reading from the backend pauses
+until the client's socket drains, within the client send deadline) or has gone (the backend's
+connection is closed so it frees its slot). A backend failure after the head ends the stream
+with an SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+
+from proxy import wire
+from proxy.backends.apis import MESSAGES
+from proxy.errors import (
+    BackendTimeout,
+    BackendUnavailable,
+    ProxyError,
+    anthropic_sse_error_event,
+    sse_error_event,
+)
+from proxy.exchange import Exchange
+from proxy.headers import downstream_response_headers
+from proxy.log import get_logger
+from proxy.records import monotonic
+from proxy.sse import EventSplitter
+from proxy.stream_inspect import StreamInspector
+from proxy.wire import Answering, Head
+
+log = get_logger()
+
+CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
+
+
+async def relay_stream(
+    request: web.Request, answering: Answering, head: Head, ex: Exchange
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        status=head.status, headers=downstream_response_headers(head.headers, decoded=False)
+    )
+    resp.headers["X-Request-Id"] = ex.request_id
+    resp.headers.update(ex.response_headers)
+    resp.headers["X-Accel-Buffering"] = "no"
+    resp.headers.setdefault("Cache-Control", "no-cache")
+    writer = await resp.prepare(request)
+    transport = request.transport
+    if writer is None or transport is None or transport.is_closing():
+        _client_gone(ex, answering)
+        return resp
+    relay = _StreamRelay(answering, ex, transport, chunked=getattr(writer, "chunked", True))
+    failure: ProxyError | None = None
+    limit = ex.send_timeout_s
+    try:
+        answering.deliver(relay.feed)  # (what came with the head is fed at once, here)
+        while True:  # what the reads left for the coroutine, before every wait
+            if relay.error is not None:
+                break
+            if relay.gone:
+                _client_gone(ex, answering)
+                return resp
+            if answering.paused:  # the client is behind: wait for it to take what it has
+                if not await _drained(request, writer, limit):
+                    _client_gone(ex, answering)
+                    return resp
+                answering.resume()
+                continue
+            try:
+                if await answering.wait():
+                    break
+            except (wire.WireError, TimeoutError):
+                if relay.error is None and not relay.gone:
+                    raise  # the backend's failure; else the read's own, seen at the top
+        if relay.error is not None:
+            # A failure of the proxy's own inside a read (a bug): the stream ends with an
+            # error event, as for a backend failure, rather than mid-event.
+            log.error("relay_failed", exc_info=relay.error)
+            failure = ProxyError("internal proxy error while relaying the answer")
+            ex.error = "server_error"
+    except TimeoutError:
+        failure = BackendTimeout("backend stopped sending mid-stream")
+        ex.error = "backend_timeout"
+    except wire.WireError:
+        failure = BackendUnavailable("backend closed the stream early")
+        ex.error = "backend_disconnected"
+    except asyncio.CancelledError:
+        _client_gone(ex, answering)
+        raise
+    splitter, inspector = relay.splitter, relay.inspector
+    tail = relay.last  # the read that ended the answer, held to go out with the end
+    inspector.finish(tail)
+    rest = splitter.flush()
+    if rest:
+        tail.append(rest)
+    if failure is not None:
+        anthropic = ex.route == MESSAGES
+        tail.append(anthropic_sse_error_event(failure) if anthropic else sse_error_event(failure))
+        answering.abort()
+    # The rest and the end of the body in one write.
+    end, started = b"".join(tail), relay.body_started
+    if not await write_to_client(request, resp, end, limit, body_started=started, eof=True):
+        _client_gone(ex, answering)
+        return resp
+    ex.obs.t_end = monotonic()
+    return resp
+
+
+class _StreamRelay:
+    """A streamed answer's reads, as the connection hands them over (``Answering.deliver``):
+    each is inspected and written to the client at once, inside the read's own callback. What
+    needs the relay's coroutine (the client fell behind, went away, an error) wakes it."""
+
+    __slots__ = (
+        "answering",
+        "body_started",
+        "chunked",
+        "error",
+        "ex",
+        "gone",
+        "high",
+        "inspector",
+        "last",
+        "obs",
+        "splitter",
+        "transport",
+    )
+
+    def __init__(
+        self, answering: Answering, ex: Exchange, transport: asyncio.Transport, *, chunked: bool
+    ) -> None:
+        self.answering = answering
+        self.ex = ex
+        self.obs = ex.obs
+        self.transport = transport
+        self.chunked = chunked
+        self.splitter = EventSplitter()
+        self.inspector = StreamInspector(ex)
+        self.high = transport.get_write_buffer_limits()[1]
+        self.body_started = False
+        self.gone = False
+        self.error: BaseException | None = None
+        self.last: list[bytes] = []
+        """What the read that ended the answer leaves to send: it goes out with the end of the
+        body, in one write (the relay's coroutine is woken by that read at once)."""
+
+    def feed(self, chunk: bytes) -> None:
+        if self.gone or self.error is not None:
+            return
+        try:
+            self._feed(chunk)
+        except Exception as exc:  # handed to the relay's coroutine, which raises it
+            self.error = exc
+            self.answering.abort()
+            self.answering.wake()
+
+    def _feed(self, chunk: bytes) -> None:
+        splitter, inspector, obs = self.splitter, self.inspector, self.obs
+        now = monotonic()
+        forwarded_events = 0
+        if not splitter.pending and inspector.plain_chunk(chunk, now):
+            data = chunk  # the usual read once the answer is under way: one token event
+        elif obs.t_first_visible is None and not splitter.pending:
+            # Token events before the first visible one is timed: forwarded as they are
+            # whatever they hold, so they go out first and are read after.
+            forwarded_events = inspector.unchanged(chunk)
+            data = chunk if forwarded_events else _inspect(splitter, inspector, chunk, now)
+        else:
+            data = _inspect(splitter, inspector, chunk, now)
+        obs.inspect_s += monotonic() - now
+        if data and self.answering.complete:
+            self.last.append(data)
+        elif data:
+            transport = self.transport
+            if transport.is_closing():
+                self.gone = True
+                self.answering.abort()
+                self.answering.wake()
+                return
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+            self.body_started = True
+            if transport.get_write_buffer_size() > self.high:
+                self.answering.pause()
+                self.answering.wake()
+        if forwarded_events:
+            t0 = monotonic()
+            inspector.read_unchanged(chunk, forwarded_events, now)
+            obs.inspect_s += monotonic() - t0
+
+
+async def _drained(
+    request: web.Request, writer: AbstractStreamWriter, limit_s: float | None
+) -> bool:
+    """Wait for the client to take what it has been sent, at most ``limit_s``; False (its
+    connection aborted) when it does not, or has gone."""
+    try:
+        async with asyncio.timeout(limit_s):
+            await writer.drain()
+    except ConnectionError:  # reset, or lost ("Connection lost" fails aiohttp's drain)
+        return False
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        return False
+    transport = request.transport
+    return transport is not None and not transport.is_closing()
+
+
+def _inspect(
+    splitter: EventSplitter, inspector: StreamInspector, chunk: bytes, now: float
+) -> bytes:
+    """What of ``chunk`` reaches the client, its events observed (``StreamInspector.process``)."""
+    out: list[bytes] = []
+    inspector.process_all(list(splitter.feed(chunk)), now, out)
+    return b"".join(out)
+
+
+async def write_to_client(
+    request: web.Request,
+    resp: web.StreamResponse,
+    data: bytes | None,
+    limit_s: float | None,
+    *,
+    body_started: bool = False,
+    eof: bool = False,
+) -> bool:
+    """Write to the client (``None``: end the body; ``eof``: ``data`` and the end of the body
+    in one write; ``body_started``: some of it was written, so the head has gone out with
+    it); False when the client has gone away.
+
+    A client that stays connected but stops reading would hold its backend request (a slot)
+    forever: backpressure stops the relay, not the backend's work. When a write is not
+    accepted within ``limit_s`` the client's connection is aborted and the write counts as
+    the client gone, so the caller closes the upstream request.
+    """
+    if data is None:
+        data, eof = b"", True
+    transport = request.transport
+    size = len(data) + (_LAST_CHUNK if eof else 0)
+    if (
+        (data or body_started)
+        and transport is not None
+        and transport.get_write_buffer_size() + size <= transport.get_write_buffer_limits()[0]
+    ):
+        # Below the low-water mark the transport is not paused and this write cannot pause it,
+        # so it cannot wait (the common case): no deadline to set. Nor can the end of a body
+        # already under way (its head is out): it is the last chunk's 5 bytes (the answer is
+        # never compressed).
+        try:
+            await (resp.write_eof(data) if eof else resp.write(data))
+        except ConnectionResetError:
+            return False
+        return True
+    try:
+        async with asyncio.timeout(limit_s):
+            await (resp.write_eof(data) if eof else resp.write(data))
+    except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one too
+        return False
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        return False
+    return True
+
+
+_LAST_CHUNK = len(b"0\r\n\r\n")
+"""What ending a chunked body writes."""
+
+
+def _client_gone(ex: Exchange, answering: Answering) -> None:
+    """The client disconnected: close the upstream connection so the backend frees its slot."""
+    ex.status = CLIENT_CLOSED
+    ex.error = "client_disconnected"
+    ex.obs.t_end = monotonic()
+    answering.abort()
