@@ -11,6 +11,7 @@ and the statistics), which reads the stage results the record was built from.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ from proxy.backends import Dialect
 from proxy.fingerprint import hex64
 from proxy.hosted import PROMPT_CACHE_KEY
 from proxy.prefixes import logged_segments, prefix_label, settled
-from proxy.records import Observation, RecordBuilder, RequestRecord, utc_now_iso
+from proxy.records import Observation, RecordBuilder, RequestRecord, iso_utc
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
@@ -93,8 +94,8 @@ class Exchange:
     send_timeout_s: float | None = None
     """Longest a client may leave a write unaccepted before it is cut off (None: forever)."""
     # The stages' results (None until the stage ran):
-    ts: str = field(default_factory=utc_now_iso)
-    """When the request arrived."""
+    t_wall: float = field(default_factory=time.time)
+    """When the request arrived (the epoch's seconds: the record formats it, ``ts``)."""
     tenant: str | None = None
     model: str | None = None
     """The model the request named, else the chosen replica's."""
@@ -128,7 +129,7 @@ def build_record(
     target, view, canonical, ticket = ex.target, ex.view, ex.canonical, ex.ticket
     record = builder.build(
         ex.obs,
-        ts=ex.ts,
+        ts=iso_utc(ex.t_wall),
         request_id=ex.request_id,
         route=ex.upstream_path,
         model=ex.model,

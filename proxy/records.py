@@ -393,9 +393,13 @@ def _rate(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
-def utc_now_iso() -> str:
-    """The current time as an ISO 8601 UTC string with milliseconds."""
-    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+def iso_utc(epoch_s: float) -> str:
+    """``epoch_s`` as an ISO 8601 UTC string with milliseconds (a record's ``ts``)."""
+    return (
+        datetime.fromtimestamp(epoch_s, UTC)
+        .isoformat(timespec="milliseconds")
+        .replace("+00:00", "Z")
+    )
 
 
 @dataclass(slots=True)

@@ -71,7 +71,11 @@ class Continuations:
         return state.fp.anchor if state.fp is not None else 0
 
     def rate(self, state: CachedPrompt) -> float:
-        seen, continued = self._counts.get(self._anchor(state), (0.0, 0.0))
+        return self.rate_of(self._anchor(state))
+
+    def rate_of(self, anchor: int) -> float:
+        """The rate of the application ``anchor`` names (``rate`` of any of its prompts)."""
+        seen, continued = self._counts.get(anchor, (0.0, 0.0))
         return (continued + 1.0) / (seen + 2.0)
 
     def observe(self, state: CachedPrompt, *, continued: bool) -> None:
@@ -247,6 +251,8 @@ class RecentPrompts:
         self._by_block: dict[tuple[int, int], list[tuple[int, CachedPrompt]]] = {}
         self._segment_lengths: Counter[int] = Counter()
         self._block_lengths: Counter[int] = Counter()
+        self._anchors: Counter[int] = Counter()
+        """The remembered states of each application (fingerprint anchor; 0 without one)."""
 
     def __len__(self) -> int:
         return len(self._items)
@@ -257,6 +263,14 @@ class RecentPrompts:
     def states(self) -> list[CachedPrompt]:
         """The remembered states, oldest first (a list: cheaper to walk than ``iter``)."""
         return [state for _, state in self._items]
+
+    def applications(self) -> Iterable[tuple[int, int]]:
+        """(anchor, remembered states of that application): a few, where the states are many."""
+        return self._anchors.items()
+
+    @staticmethod
+    def _anchor(state: CachedPrompt) -> int:
+        return state.fp.anchor if state.fp is not None else 0
 
     @staticmethod
     def _keys(state: CachedPrompt) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
@@ -271,6 +285,7 @@ class RecentPrompts:
         self._seq += 1
         item = (self._seq, state)
         self._items.append(item)
+        self._anchors[self._anchor(state)] += 1
         seg, block = self._keys(state)
         if seg is not None:
             self._by_segment.setdefault(seg, []).append(item)
@@ -280,6 +295,10 @@ class RecentPrompts:
             self._block_lengths[block[0]] += 1
 
     def _forget(self, seq: int, state: CachedPrompt) -> None:
+        anchor = self._anchor(state)
+        self._anchors[anchor] -= 1
+        if self._anchors[anchor] <= 0:
+            del self._anchors[anchor]
         seg, block = self._keys(state)
         for index, key, lengths in (
             (self._by_segment, seg, self._segment_lengths),

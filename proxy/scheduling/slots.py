@@ -138,7 +138,7 @@ class SlotTable:
         """The latest prompts sent, whether the server still holds them or not."""
         self.detect_unified = detect_unified
         self._choosing = False
-        self._live: tuple[float, float] | None = None
+        self._crowd: tuple[float, bool] | None = None
         self._emptied_seen = 0
         """Whether ``/slots`` showing idle slots emptied may switch the model to unified KV."""
         self._incoming: tuple[PromptQuery, CachedPrompt] | None = None
@@ -239,12 +239,12 @@ class SlotTable:
         """The slot ``req`` is expected to end soonest on (``_choose``)."""
         self.settle()
         query = req.query()
-        self._choosing, self._live = True, None  # live_conversations(now), once per choice
+        self._choosing, self._crowd = True, None  # crowded(now), once per choice
         try:
             with self.counter.scope(query):
                 return self._choose(req, query, rates, now, useful_tokens=useful_tokens)
         finally:
-            self._choosing, self._live, self._incoming = False, None, None
+            self._choosing, self._crowd, self._incoming = False, None, None
 
     def _choose(
         self,
@@ -387,8 +387,11 @@ class SlotTable:
         the slots are asked to hold at once, each weighed by how likely its application is to
         continue. Lately: within twice the prompt's own pace when it has one, else a minute."""
         self.settle()
-        if self._choosing and self._live is not None and self._live[0] == now:
-            return self._live[1]
+        return self._live_sum(now, math.inf)
+
+    def _live_sum(self, now: float, limit: float) -> float:
+        """``live_conversations(now)``, or a partial sum of it as soon as that exceeds
+        ``limit`` (every term is positive: the whole sum exceeds it too)."""
         live = 0.0
         rates: dict[int, float] = {}  # per application: few of them among the recent prompts
         for state in self.recent.states():
@@ -399,11 +402,32 @@ class SlotTable:
                 anchor = state.fp.anchor if state.fp is not None else 0
                 rate = rates.get(anchor)
                 if rate is None:
-                    rate = rates[anchor] = self.continuations.rate(state)
+                    rate = rates[anchor] = self.continuations.rate_of(anchor)
                 live += rate  # a one-shot question weighs little
-        if self._choosing:
-            self._live = (now, live)
+                if live > limit:
+                    break
         return live
+
+    def crowded(self, now: float) -> bool:
+        """Whether more conversations are live than there are slots
+        (``live_conversations(now) > len(self.slots)``).
+
+        Every remembered prompt counted at its application's rate bounds the live ones from
+        above (the live are some of them), and that bound is a sum over a few applications:
+        when it is under the slots, the prompts are not walked at all (one-shot traffic, whose
+        rate is low). Else the walk stops as soon as its sum passes the slots. Once per choice.
+        """
+        self.settle()
+        if self._choosing and self._crowd is not None and self._crowd[0] == now:
+            return self._crowd[1]
+        n = float(len(self.slots))
+        rate_of = self.continuations.rate_of
+        bound = sum(rate_of(anchor) * count for anchor, count in self.recent.applications())
+        # (the margin covers the rounding of summing the same rates one by one)
+        crowded = bound + 1e-9 > n and self._live_sum(now, n) > n
+        if self._choosing:
+            self._crowd = (now, crowded)
+        return crowded
 
     def _capped(self, tokens: float) -> float:
         if self.ctx_per_slot:
@@ -450,7 +474,7 @@ class SlotTable:
             shared=kept,
         ):
             return 0.0
-        if self.rules.similarity != 0.0 and self.live_conversations(now) > len(self.slots):
+        if self.rules.similarity != 0.0 and self.crowded(now):
             # More conversations than slots and a server that cannot swap them back in from
             # RAM: every placement loses some history, spreading only moves the loss. Take
             # what reuses most now, as the server itself would. (Checked last: it walks the

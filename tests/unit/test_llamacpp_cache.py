@@ -531,3 +531,52 @@ def test_a_launch_that_fails_is_logged_and_dropped_not_raised_at_the_next_caller
     with capture_logs() as logs:
         table.end(task, 0.5, ok=True)
     assert [e["event"] for e in logs] == ["slot_model_error"] and table._pending_launch is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.integers(0, 3),  # the application (its system prompt)
+            st.integers(0, 5),  # the conversation within it
+            st.floats(0.0, 40.0),  # seconds since the last request
+            st.booleans(),  # ended before the next request
+        ),
+        min_size=1,
+        max_size=90,
+    ),
+    slots=st.integers(1, 4),
+)
+def test_crowded_says_what_counting_the_live_conversations_says(
+    steps: list[tuple[int, int, float, bool]], slots: int
+) -> None:
+    """``SlotTable.crowded`` (a bound over the applications first, then a walk that stops at
+    the slot count) answers ``live_conversations(now) > slots`` at every request, over several
+    applications, conversations that go on or stop, and gaps inside and outside the window."""
+    table = SlotTable(slots, 4096)
+    turns: dict[tuple[int, int], int] = {}
+    now, open_tasks = 0.0, []
+    for app, conv, gap, ends in steps:
+        now += gap
+        turn = turns[app, conv] = turns.get((app, conv), 0) + 1
+        messages = [{"role": "system", "content": f"application {app} " * 40}]
+        for t in range(turn):
+            messages += [
+                {"role": "user", "content": f"conversation {conv} turn {t}"},
+                {"role": "assistant", "content": f"answer {t}"},
+            ]
+        body = {"model": "m", "messages": messages[:-1]}
+        fp, data = fingerprint_with_data("/v1/chat/completions", body, block_bytes=256)
+        req = SlotRequest(fp.block_hashes, float(fp.total_bytes), 16.0, 256.0, fp, data)
+        for probe in (now, now + 30.0, now + 200.0):
+            assert table.crowded(probe) == (table.live_conversations(probe) > slots)
+        choice = table.choose(req, CPU, now, useful_tokens=64)
+        task = SlotTask(fp.block_hashes, req.prompt_tokens, choice.uncached_tokens, 16.0, now)
+        task.query = req.query()
+        table.place(task, choice.slot, now, choice.pick, later=True)
+        open_tasks.append(task)
+        if ends:
+            for done in open_tasks:
+                table.end(done, now + 0.5, ok=True)
+            open_tasks.clear()
+            now += 0.5
