@@ -7,8 +7,9 @@ prefix index → choose a replica (``Fleet.route``) → claim it in the index an
 let the dialect prepare the body → relay. A replica that fails before the client received a byte
 (connection failure, or a 502/503 status line) is ejected or passed over and the request is sent
 once to another healthy replica. Whatever happens, one ``RequestRecord`` is built from the
-exchange when it ends (with the replica, ``route_reason`` and ``retried_from``), and the
-record writer's learner (``proxy.exchange.learn``) updates the scheduler, the index and the
+exchange when it ends (with the replica, ``route_reason`` and ``retried_from``; while other
+requests are in progress, together with theirs: ``RecordWriter.submit``), and the record
+writer's learner (``proxy.exchange.learn``) updates the scheduler, the index and the
 statistics from it.
 
 A request of the control group (``proxy.control``, with ``--control-share``) skips the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
@@ -41,7 +43,7 @@ from proxy.fleet import Replica
 from proxy.log import get_logger
 from proxy.passthrough import relay_passthrough
 from proxy.prefixes import PrefixTracker, PrefixView
-from proxy.records import Observation, monotonic
+from proxy.records import Observation, RequestRecord, monotonic
 from proxy.relay import BackendConnectTimeout, NotStarted, relay_inference, send_answer
 from proxy.routing import RETRY_REASON, Decision
 from proxy.scheduling import Ticket
@@ -111,6 +113,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
         ex.trace = state.tracer.begin(request.headers)
         ex.upstream_headers = ex.trace.upstream_headers
     namespace = tenant or DEFAULT_NAMESPACE
+    state.active += 1
     try:
         raw = await read_body(
             request, state.settings.max_body_bytes, idle_s=state.settings.timeouts.client
@@ -195,18 +198,24 @@ async def inference(request: web.Request) -> web.StreamResponse:
                 await _lookup_answered(state, ex)
             except asyncio.CancelledError:  # while waiting (shutdown): the record still goes
                 cut_short = True
-        settle_view(ex)
-        record = build_record(
-            ex,
-            builder=state.builder,
-            tracker=state.tracker,
-            redactor=state.redactor,
-            log_prompts=state.settings.log_prompts,
-            misses=state.misses,
-        )
-        state.writer.emit(record, ex)
+        state.active -= 1
+        busy = state.active > 0 and not cut_short
+        state.writer.submit(functools.partial(_record, state, ex), ex, batch=busy)
         if cut_short:
             raise asyncio.CancelledError
+
+
+def _record(state: ProxyState, ex: Exchange) -> RequestRecord:
+    """The ended request's record (built when ``RecordWriter.submit`` says)."""
+    settle_view(ex)
+    return build_record(
+        ex,
+        builder=state.builder,
+        tracker=state.tracker,
+        redactor=state.redactor,
+        log_prompts=state.settings.log_prompts,
+        misses=state.misses,
+    )
 
 
 async def _attempt(

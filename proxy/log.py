@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -69,6 +71,27 @@ def configure_logging(*, level: str = "info", log_file: str | None = None) -> No
 
 _lines: tuple[Any, tuple[Any, ...], Any, BinaryIO] | None = None
 """The factory, processors, wrapper and stream ``configure_logging`` installed (``info_line``)."""
+_held: list[bytes] | None = None
+"""The lines ``info_line`` wrote inside ``lines_held``, not out yet."""
+
+
+@contextmanager
+def lines_held() -> Iterator[None]:
+    """The lines ``info_line`` writes within go out together at the end, in one write (the
+    records of a batch: ``RecordWriter``)."""
+    global _held
+    if _held is not None:  # (nested: the outer one writes them)
+        yield
+        return
+    _held = []
+    try:
+        yield
+    finally:
+        held, _held = _held, None
+        if held and _lines is not None:
+            out = _lines[3]
+            out.write(b"".join(held))
+            out.flush()
 
 
 def info_line(event: str, fields: dict[str, Any]) -> bool:
@@ -93,8 +116,12 @@ def info_line(event: str, fields: dict[str, Any]) -> bool:
         fields.setdefault(key, value)
     fields["level"] = "info"
     fields["logged_at"] = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    line = _dumps(fields) + b"\n"
+    if _held is not None:
+        _held.append(line)
+        return True
     out = lines[3]
-    out.write(_dumps(fields) + b"\n")
+    out.write(line)
     out.flush()  # as structlog's logger does: stdout is buffered
     return True
 

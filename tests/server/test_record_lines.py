@@ -123,3 +123,20 @@ def test_a_record_line_defers_to_capture_logs(tmp_path: Path) -> None:
         assert info_line("request", {"status": 200}) is True  # the capture is over
     finally:
         configure_logging()
+
+
+def test_the_lines_of_a_batch_go_out_together(tmp_path: Path) -> None:
+    """Inside ``lines_held`` record lines are kept, and written in one go when it ends."""
+    from proxy.log import info_line, lines_held
+
+    log = tmp_path / "lines.jsonl"
+    configure_logging(log_file=str(log))
+    try:
+        with lines_held():
+            assert info_line("request", {"request_id": "a"}) is True
+            with lines_held():  # nested: the outer one writes
+                assert info_line("request", {"request_id": "b"}) is True
+            assert log.read_bytes() == b""
+        assert [line["request_id"] for line in request_lines(log)] == ["a", "b"]
+    finally:
+        configure_logging()

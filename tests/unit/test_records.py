@@ -199,3 +199,69 @@ async def test_writer_learners_get_the_stages_after_the_sinks() -> None:
     await writer.drain()
     assert seen == ["sink:r1", "sink:r2", "learned:r1:exchange-1"]
     assert not writer.pending
+
+
+def _record(request_id: str) -> RequestRecord:
+    return RequestRecord(
+        ts="t", request_id=request_id, route="/x", model=None, backend=None, stream=False,
+        status=200,
+    )  # fmt: skip
+
+
+async def test_a_record_ending_alone_is_written_at_once_the_others_together() -> None:
+    """``submit``: with no other request in progress the record is built and handed out at
+    once; while others are, records wait for each other (at most ``BATCH_DELAY_S``) and go in
+    the order their requests ended, a request ending alone sending the held ones first."""
+    writer: RecordWriter[str] = RecordWriter(logger=structlog.get_logger("t"))
+    seen: list[str] = []
+    writer.add_sink(lambda rec: seen.append(rec.request_id))
+    writer.add_learner(lambda rec, stages: seen.append(f"learned:{stages}"))
+    writer.submit(lambda: _record("alone"), "s0", batch=False)
+    assert seen == ["alone", "learned:s0"]
+    seen.clear()
+    writer.submit(lambda: _record("a"), "s1", batch=True)
+    writer.submit(lambda: _record("b"), "s2", batch=True)
+    assert seen == []  # held
+    await asyncio.sleep(RecordWriter.BATCH_DELAY_S * 5)
+    assert seen == ["a", "learned:s1", "b", "learned:s2"]  # the timer sent them
+    seen.clear()
+    writer.submit(lambda: _record("c"), batch=True)
+    writer.submit(lambda: _record("d"), batch=False)  # the last one in progress ended
+    assert seen == ["c", "d"]
+    seen.clear()
+    for i in range(RecordWriter.BATCH_MAX):
+        writer.submit(lambda i=i: _record(f"r{i}"), batch=True)  # type: ignore[misc]
+    assert len(seen) == RecordWriter.BATCH_MAX  # a full batch goes at once
+    writer.submit(lambda: _record("late"), batch=True)
+    await writer.drain()  # drain writes what is held
+    assert seen[-1] == "late" and not writer.pending
+
+
+async def test_a_held_record_is_built_in_its_own_requests_context() -> None:
+    """Each held record is built and emitted with its own request's bound context (log lines
+    of its learners name its request), and one that cannot be built costs only itself."""
+    writer = RecordWriter(logger=structlog.get_logger("t"))
+    built: list[object] = []
+
+    def build(request_id: str) -> RequestRecord:
+        built.append(structlog.contextvars.get_contextvars().get("request_id"))
+        return _record(request_id)
+
+    def broken() -> RequestRecord:
+        raise RuntimeError("no record")
+
+    seen: list[str] = []
+    writer.add_sink(lambda rec: seen.append(rec.request_id))
+    for rid in ("r1", "r2"):
+        structlog.contextvars.bind_contextvars(request_id=rid)
+        writer.submit(lambda rid=rid: build(rid), batch=True)  # type: ignore[misc]
+        writer.submit(broken, batch=True)
+    structlog.contextvars.clear_contextvars()
+    with structlog.testing.capture_logs() as logs:
+        await writer.drain()
+    assert built == ["r1", "r2"] and seen == ["r1", "r2"]
+    failed = [e for e in logs if e["event"] == "record_build_failed"]
+    assert len(failed) == 2 and [e["request_id"] for e in logs if e["event"] == "request"] == [
+        "r1",
+        "r2",
+    ]
