@@ -126,6 +126,7 @@ class Knobs:
     token_delay_s: float = 0.0
     header_delay_s: float = 0.0  # before the status line is sent
     ping_first: bool = False  # an SSE comment before the first token
+    head_only: bool = False  # a stream's head, then nothing (until the client closes)
     fail_after: int | None = None  # a mid-stream error event after N token events
     stall_after: int | None = None  # stop sending (but keep the connection) after N token events
     reject_status: int | None = None  # answer the first result with this HTTP error
@@ -482,6 +483,8 @@ class FakeBackend:
             await self._pause(k.header_delay_s)
         resp = await self._open_stream(request)
         try:
+            if k.head_only:
+                await self._stall()
             if k.ping_first:
                 await resp.write(PING)
             for event in lead:

@@ -258,3 +258,18 @@ async def test_an_http_1_0_client_gets_the_stream_unchunked_until_the_connection
 
     assert events(got) == events(want)
     assert got.endswith(DONE)
+
+
+async def test_a_head_with_nothing_after_it_reaches_the_client_at_once(
+    llama_fake: LlamaFake, make_proxy: MakeProxy
+) -> None:
+    """The client's head waits to go out with the first bytes of the body only for what came
+    with the backend's head: a backend that sends its head and then nothing (still thinking)
+    has the client see the head, status and content type at once."""
+    llama_fake.knobs.head_only = True
+    client, _, _ = await make_proxy(llama_fake.url)
+    async with asyncio.timeout(2):
+        async with client.post("/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            assert resp.headers["X-Accel-Buffering"] == "no"
