@@ -51,13 +51,14 @@ from __future__ import annotations
 import json
 from collections import deque
 from collections.abc import Container, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, NamedTuple, TypeVar
 
 import orjson
 import xxhash
 
 from proxy.deep_json import deep_json
+from proxy.values import value
 
 K = TypeVar("K", bound=Hashable)
 
@@ -92,7 +93,7 @@ class Segment(NamedTuple):
     start: int
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Rendered:
     """A request as the byte string that gets hashed, with its segment boundaries."""
 
@@ -105,7 +106,7 @@ class Rendered:
         return (*starts, len(self.data)) if self.segments else ()
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Fingerprint:
     """The chained block hashes of one request, plus its per-segment cumulative hashes."""
 

@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 from proxy.fingerprint import ChainMemo, Fingerprint, fingerprint_with_data
@@ -46,6 +46,7 @@ from proxy.records import RequestRecord
 from proxy.routing import TRAFFIC_MAX_BLOCKS, RoutingConfig, TrafficDepth, route_key
 from proxy.store import DEFAULT_NAMESPACE, LookupResult, PrefixStore, StatsSample
 from proxy.store.write_behind import WriteBehind
+from proxy.values import value
 
 _log = get_logger()
 
@@ -53,7 +54,7 @@ DEFAULT_TOKENS_PER_BYTE = 0.25  # English prose and code average ~4 bytes per to
 MAX_SEGMENTS_LOGGED = 512
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class PrefixView:
     """What the store says about one request: everything the router needs."""
 

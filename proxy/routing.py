@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import xxhash
 
 from proxy.options import option
+from proxy.values import value
 
 ROUND_ROBIN = "round-robin"
 LEAST_LOADED = "least-loaded"
@@ -141,7 +142,7 @@ class RoutingConfig:
             raise ValueError("min_window_requests must be at least 1")
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Candidate:
     """A replica the request may go to, and what the router knows of it."""
 
@@ -161,7 +162,7 @@ class Candidate:
         return self.load / self.weight if self.weight > 0 else math.inf
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Decision:
     """The chosen replica and why."""
 

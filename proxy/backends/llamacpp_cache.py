@@ -59,6 +59,7 @@ from operator import attrgetter
 
 from proxy.backends.llamacpp_tokens import CachedPrompt, PromptQuery, TokenCounter
 from proxy.fingerprint import common_blocks
+from proxy.values import value
 
 SAVE_F_KEEP = 0.5  # get_available_slot: save and look for a better prompt below this f_keep
 LOAD_MIN_F_KEEP = 0.25  # server_prompt_cache::load: entries kept less than this are not taken
@@ -95,7 +96,7 @@ class SlotView:
     last_used: float
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Pick:
     """What the server does with a request: the slot it takes and where its cache comes from."""
 

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from proxy.fingerprint import SEGMENT_END, Fingerprint, common_blocks
+from proxy.values import value
 
 _END_LEN = len(SEGMENT_END)
 MAX_CLOSING = 16.0  # tokens: a chat template's close of turn and generation prompt, at most
@@ -116,7 +117,7 @@ class CachedPrompt:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class PromptQuery:
     """The request being placed, as the model needs it."""
 
@@ -129,7 +130,7 @@ class PromptQuery:
     parts from a state inside the state's trailing partial block is then found to the byte."""
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Shared:
     """How much of a request a cached state holds, and where the match ends."""
 

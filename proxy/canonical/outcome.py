@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.values import value
+
 
 @dataclass(frozen=True, slots=True)
 class Change:
@@ -30,7 +32,7 @@ class Skip:
     path: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class RuleOutcome:
     """A rule's result: the rewritten body (the input object when unchanged) and what changed."""
 

@@ -43,7 +43,7 @@ rule is reported skipped (reason ``error``) and the request goes on without it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from functools import partial
 from types import MappingProxyType
 from typing import Any
@@ -93,6 +93,7 @@ from proxy.fingerprint import (
     RESPONSES_ROUTES,
     Segment,
 )
+from proxy.values import value
 
 RewriteRule = Callable[[str, dict[str, Any], RuleConfig], RuleOutcome]
 REWRITE_RULES: tuple[tuple[str, RewriteRule], ...] = (
@@ -124,7 +125,7 @@ def request_kind(route: str) -> str | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class CanonicalResult:
     """What the canonicalizer did to one request.
 

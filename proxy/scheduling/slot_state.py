@@ -18,6 +18,7 @@ from proxy.backends.slot_cache import (
 )
 from proxy.fingerprint import Fingerprint
 from proxy.scheduling.rates import Rates
+from proxy.values import value
 
 SLOT_HIT = "slot_hit"
 SLOT_QUEUE = "slot_queue"
@@ -89,7 +90,7 @@ class Continuations:
             self._counts.pop(next(iter(self._counts)))
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class SlotRequest:
     """What the table needs to know of a request to place it."""
 
@@ -167,7 +168,7 @@ class Slot:
         return not self.tasks and self.foreign_until <= now
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class SlotChoice:
     """Where a request goes: a slot (pinned) or None (the server chooses)."""
 

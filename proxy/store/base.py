@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from proxy.routing import TRAFFIC_MAX_HASHES
+from proxy.values import value
 
 if TYPE_CHECKING:
     from proxy.store.ranking import PrefixStat
@@ -105,7 +106,7 @@ class StoreOptions:
     timeouts: StoreTimeouts = field(default_factory=StoreTimeouts)
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class LookupResult:
     """What the critical-path lookup reads in one round trip."""
 
