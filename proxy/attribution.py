@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from proxy.fingerprint import Fingerprint, fingerprint
@@ -48,6 +47,7 @@ from proxy.routing import (
     ROUND_ROBIN_REASON,
 )
 from proxy.scheduling.slot_state import SLOT_BUSY, SLOT_FOREIGN, SLOT_PARALLEL
+from proxy.values import value
 
 if TYPE_CHECKING:
     from proxy.exchange import Exchange
@@ -96,7 +96,7 @@ _WHY_OF_REASON = {
 SLOT_PASSED_OVER = frozenset({SLOT_BUSY, SLOT_FOREIGN, SLOT_PARALLEL})
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class MissAttribution:
     """One request's uncached prompt tokens by cause (they sum to the uncached count)."""
 
@@ -125,7 +125,7 @@ class MissAttribution:
         }
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class MissFacts:
     """What the stages said about one request, as token positions along its prompt.
 

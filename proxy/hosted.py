@@ -27,6 +27,7 @@ from typing import Any
 
 from proxy.backends import DIALECT_NAMES, STRICT_DIALECTS
 from proxy.options import option, split_items
+from proxy.values import value
 
 PROMPT_CACHE_KEY = "prompt_cache_key"
 
@@ -51,7 +52,7 @@ fields (``Dialect.ignores_unknown_fields``)."""
 _PERSON = b"prefixgate-key"  # blake2b personalization: these hashes are the proxy's own
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class AffinityKey:
     """A conversation key the client sent, hashed."""
 

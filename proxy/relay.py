@@ -23,7 +23,6 @@ received a byte, and a read timeout is not retried (the backend may still be wor
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import aiohttp
 import orjson
@@ -42,6 +41,7 @@ from proxy.exchange import Exchange
 from proxy.headers import downstream_response_headers, is_event_stream, upstream_request_headers
 from proxy.records import monotonic
 from proxy.stream_relay import relay_stream
+from proxy.values import value
 from proxy.wire import Answering, BackendPool, Head
 
 RETRY_STATUSES = frozenset({502, 503})  # the replica could not take it; another one may
@@ -51,7 +51,7 @@ class BackendConnectTimeout(BackendTimeout):
     """504: connecting to the backend timed out (nothing was sent; the replica is suspect)."""
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Answer:
     """A complete, non-streamed upstream answer, read into memory and not yet sent."""
 

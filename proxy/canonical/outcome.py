@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from proxy.values import value
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Change:
     """One place a rule rewrote (or, in dry-run, would rewrite).
 
@@ -23,7 +22,7 @@ class Change:
     count: int = 1
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Skip:
     """A rule found something to do but left it alone, and why."""
 
