@@ -7,8 +7,7 @@ client's transport there and then, framed as a chunk. ``relay_stream``'s corouti
 when the answer ends or fails, when the client falls behind (reading from the backend pauses
 until the client's socket drains, within the client send deadline) or has gone (the backend's
 connection is closed so it frees its slot). A backend failure after the head ends the stream
-with an SSE error event. The client's head goes out with what came with the backend's head
-(the usual first token event), in one write; alone, at once, when nothing did.
+with an SSE error event.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ CLIENT_CLOSED = 499  # nginx's convention: the client went away before the respo
 async def relay_stream(
     request: web.Request, answering: Answering, head: Head, ex: Exchange
 ) -> web.StreamResponse:
-    resp = _RelayedResponse(
+    resp = web.StreamResponse(
         status=head.status, headers=downstream_response_headers(head.headers, decoded=False)
     )
     resp.headers["X-Request-Id"] = ex.request_id
@@ -59,18 +58,7 @@ async def relay_stream(
     failure: ProxyError | None = None
     limit = ex.send_timeout_s
     try:
-        # What came with the head is fed at once, here, and goes out with the head in one
-        # write (the usual first token); if nothing did, the head goes out alone.
-        answering.deliver(relay.feed)
-        written = False
-        while first := relay.take_held():  # (more may come while the write waits)
-            if not await write_to_client(request, resp, first, limit):
-                _client_gone(ex, answering)
-                return resp
-            written = relay.body_started = True
-        if not written:
-            writer.send_headers()
-        relay.held = None  # from here on each read is written in its own callback
+        answering.deliver(relay.feed)  # (what came with the head is fed at once, here)
         while True:  # what the reads left for the coroutine, before every wait
             if relay.error is not None:
                 break
@@ -123,13 +111,6 @@ async def relay_stream(
     return resp
 
 
-class _RelayedResponse(web.StreamResponse):
-    """A streamed answer's response: its head is held by the writer (as aiohttp's ``Response``
-    holds it) so that it goes out with the first bytes of the body, in one write."""
-
-    _send_headers_immediately = False
-
-
 class _StreamRelay:
     """A streamed answer's reads, as the connection hands them over (``Answering.deliver``):
     each is inspected and written to the client at once, inside the read's own callback. What
@@ -142,7 +123,6 @@ class _StreamRelay:
         "error",
         "ex",
         "gone",
-        "held",
         "high",
         "inspector",
         "last",
@@ -168,17 +148,6 @@ class _StreamRelay:
         self.last: list[bytes] = []
         """What the read that ended the answer leaves to send: it goes out with the end of the
         body, in one write (the relay's coroutine is woken by that read at once)."""
-        self.held: list[bytes] | None = []
-        """Until the head is out: what the reads leave to send, for the relay's coroutine to
-        write with the head (``take_held``). None once it is: reads write themselves."""
-
-    def take_held(self) -> bytes:
-        """What the reads have left to send with the head so far (emptied)."""
-        held = self.held
-        if not held:
-            return b""
-        self.held = []
-        return b"".join(held)
 
     def feed(self, chunk: bytes) -> None:
         if self.gone or self.error is not None:
@@ -206,8 +175,6 @@ class _StreamRelay:
         obs.inspect_s += monotonic() - now
         if data and self.answering.complete:
             self.last.append(data)
-        elif data and self.held is not None:
-            self.held.append(data)
         elif data:
             transport = self.transport
             if transport.is_closing():

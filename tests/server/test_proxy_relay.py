@@ -263,9 +263,9 @@ async def test_an_http_1_0_client_gets_the_stream_unchunked_until_the_connection
 async def test_a_head_with_nothing_after_it_reaches_the_client_at_once(
     llama_fake: LlamaFake, make_proxy: MakeProxy
 ) -> None:
-    """The client's head waits to go out with the first bytes of the body only for what came
-    with the backend's head: a backend that sends its head and then nothing (still thinking)
-    has the client see the head, status and content type at once."""
+    """The client's head goes out as soon as the backend's has come: a backend that sends its
+    head and then nothing (still thinking) has the client see the status and content type at
+    once, and a client sets its response up while the first token is on its way."""
     llama_fake.knobs.head_only = True
     client, _, _ = await make_proxy(llama_fake.url)
     async with asyncio.timeout(2):
