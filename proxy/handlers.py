@@ -301,6 +301,8 @@ async def _attempt(
             forwarded.set()  # not forwarded after all: the claim is written now
         if admitted:
             ticket.end(ok=200 <= ex.status < 400 and ex.error is None, usage=ex.obs)
+        else:  # cut short while the scheduler held it: its place is given up now, not when
+            ticket.end(ok=False)  # its record is written (``learn``), which may be later
         replica.in_flight -= 1
         done = tracker.in_flight(view, replica.url, -1)
         if done is not None:

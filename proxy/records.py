@@ -560,7 +560,8 @@ class RecordWriter(Generic[StagesT]):
     relaying of other answers the same work costs far more, its code and data pushed out of
     the processor's caches by everything in between, and the batch's lines go out in one
     write. Each is built and emitted in its own request's logging context, in the order the
-    requests ended. A request ending alone is written at once.
+    requests ended. A request ending alone is written at once; when the last request in
+    progress ends, what is held goes in the loop's next turn.
     """
 
     BATCH_MAX = 32
@@ -575,7 +576,7 @@ class RecordWriter(Generic[StagesT]):
         self._ended: list[
             tuple[Callable[[], RequestRecord], StagesT | None, contextvars.Context]
         ] = []
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
 
     def add_flusher(self, flush: Callable[[], Awaitable[None]]) -> None:
         """``drain`` also applies what ``flush`` holds queued (the store's write behind)."""
@@ -607,19 +608,30 @@ class RecordWriter(Generic[StagesT]):
         self, build: Callable[[], RequestRecord], stages: StagesT | None = None, *, batch: bool
     ) -> None:
         """Build a finished request's record (``build``) and ``emit`` it: with the others
-        that end meanwhile when ``batch`` (other requests are in progress), else at once (with
-        any still held, first). A record that cannot be built is logged, never raised."""
+        that end meanwhile when ``batch`` (other requests are in progress), else at once, or,
+        when some are held, with them in the loop's next turn (never inside the handler that
+        ended last: it does not pay for the others). A record that cannot be built or written
+        is logged, never raised."""
         if not batch and not self._ended:
             self._build_and_emit(build, stages)
             return
         self._ended.append((build, stages, contextvars.copy_context()))
         if not batch or len(self._ended) >= self.BATCH_MAX:
-            self.flush_ended()
+            self._flush_after(0.0)
         elif self._timer is None:
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(
-                self.BATCH_DELAY_S, self.flush_ended, context=contextvars.Context()
-            )
+            self._flush_after(self.BATCH_DELAY_S)
+
+    def _flush_after(self, delay_s: float) -> None:
+        if self._timer is not None:
+            if delay_s > 0.0:
+                return
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        empty = contextvars.Context()  # each record runs in its own request's, not the caller's
+        if delay_s > 0.0:
+            self._timer = loop.call_later(delay_s, self.flush_ended, context=empty)
+        else:
+            self._timer = loop.call_soon(self.flush_ended, context=empty)
 
     def flush_ended(self) -> None:
         """Build and emit every record ``submit`` holds, in the order they came."""
@@ -627,17 +639,18 @@ class RecordWriter(Generic[StagesT]):
             self._timer.cancel()
             self._timer = None
         ended, self._ended = self._ended, []
-        with lines_held():
-            for build, stages, context in ended:
-                context.run(self._build_and_emit, build, stages)
+        try:
+            with lines_held():
+                for build, stages, context in ended:
+                    context.run(self._build_and_emit, build, stages)
+        except Exception:  # the lines' one write failed: as a single line's write would
+            self._log.exception("record_failed")
 
     def _build_and_emit(self, build: Callable[[], RequestRecord], stages: StagesT | None) -> None:
         try:
-            record = build()
+            self.emit(build(), stages)
         except Exception:  # a bug must cost the request its record, not the others theirs
-            self._log.exception("record_build_failed")
-            return
-        self.emit(record, stages)
+            self._log.exception("record_failed")
 
     def _deliver(self, sink: Callable[..., Awaitable[None] | None], *args: Any) -> None:
         try:

@@ -273,3 +273,36 @@ async def test_a_head_with_nothing_after_it_reaches_the_client_at_once(
             assert resp.status == 200
             assert resp.headers["Content-Type"].startswith("text/event-stream")
             assert resp.headers["X-Accel-Buffering"] == "no"
+
+
+async def test_records_of_overlapping_requests_all_come_and_nothing_stays_counted(
+    llama_fake: LlamaFake, make_proxy: MakeProxy
+) -> None:
+    """Requests in progress together have their records held and written together: every one
+    comes (answered, refused, cut off by its client), and the count of requests in progress
+    the batching goes by is back to zero once they have ended."""
+    from proxy.state import STATE
+
+    llama_fake.knobs.token_delay_s = 0.02
+    client, records, app = await make_proxy(llama_fake.url)
+
+    async def streamed() -> None:
+        async with client.post("/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+            await r.read()
+
+    async def refused() -> None:
+        async with client.post("/v1/chat/completions", json={"model": 3}) as r:
+            assert r.status == 400
+            await r.read()
+
+    async def cut_off() -> None:
+        async with client.post("/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+            await r.content.readuntil(b"\n\n")  # then gone
+
+    async with asyncio.timeout(10):
+        await asyncio.gather(streamed(), streamed(), refused(), cut_off(), streamed())
+        await records.wait(5)
+    state = app[STATE]
+    assert state.active == 0
+    await state.writer.drain()
+    assert sorted(r.status for r in records) == [200, 200, 200, 400, 499]

@@ -580,3 +580,24 @@ def test_crowded_says_what_counting_the_live_conversations_says(
                 table.end(done, now + 0.5, ok=True)
             open_tasks.clear()
             now += 0.5
+
+
+def test_crowded_counts_prompts_without_a_fingerprint_and_is_asked_once_per_choice() -> None:
+    """Prompts placed by hashes alone (no fingerprint: application 0) count as the walk counts
+    them; within a choice the answer is computed once for its moment."""
+    table = SlotTable(1, 4096)
+    now = 0.0
+    for conv in range(6):
+        now += 1.0
+        task, _ = _placed(table, chain(conv + 1, 6), now, later=False)
+        table.end(task, now + 0.5, ok=True)
+        for probe in (now, now + 59.0, now + 120.0):
+            assert table.crowded(probe) == (table.live_conversations(probe) > 1)
+    assert table.live_conversations(now) > 0  # (they are counted, under application 0)
+    table._choosing = True
+    try:
+        first = table.crowded(now)
+        table.recent.append(state(chain(99, 6), now))  # (the memo holds for the same moment)
+        assert table.crowded(now) is first
+    finally:
+        table._choosing, table._crowd = False, None

@@ -227,11 +227,14 @@ async def test_a_record_ending_alone_is_written_at_once_the_others_together() ->
     seen.clear()
     writer.submit(lambda: _record("c"), batch=True)
     writer.submit(lambda: _record("d"), batch=False)  # the last one in progress ended
+    assert seen == []  # (not inside its handler: the loop's next turn)
+    await asyncio.sleep(0)
     assert seen == ["c", "d"]
     seen.clear()
     for i in range(RecordWriter.BATCH_MAX):
         writer.submit(lambda i=i: _record(f"r{i}"), batch=True)  # type: ignore[misc]
-    assert len(seen) == RecordWriter.BATCH_MAX  # a full batch goes at once
+    await asyncio.sleep(0)
+    assert len(seen) == RecordWriter.BATCH_MAX  # a full batch goes in the loop's next turn
     writer.submit(lambda: _record("late"), batch=True)
     await writer.drain()  # drain writes what is held
     assert seen[-1] == "late" and not writer.pending
@@ -260,8 +263,39 @@ async def test_a_held_record_is_built_in_its_own_requests_context() -> None:
     with structlog.testing.capture_logs() as logs:
         await writer.drain()
     assert built == ["r1", "r2"] and seen == ["r1", "r2"]
-    failed = [e for e in logs if e["event"] == "record_build_failed"]
+    failed = [e for e in logs if e["event"] == "record_failed"]
     assert len(failed) == 2 and [e["request_id"] for e in logs if e["event"] == "request"] == [
         "r1",
         "r2",
     ]
+
+
+async def test_a_record_that_fails_to_go_out_costs_only_itself() -> None:
+    """A record whose emission fails (a sink's bug is caught already; here the line itself)
+    is logged and dropped; the rest of its batch still goes, and the request that flushes
+    the batch is not failed by another's record."""
+    writer = RecordWriter(logger=structlog.get_logger("t"))
+    seen: list[str] = []
+    writer.add_sink(lambda rec: seen.append(rec.request_id))
+
+    class Unwritable(RequestRecord):
+        def as_dict(self) -> dict[str, object]:
+            raise ValueError("unserializable")
+
+    bad = Unwritable(
+        ts="t", request_id="bad", route="/x", model=None, backend=None, stream=False, status=200
+    )
+    writer.submit(lambda: _record("a"), batch=True)
+    writer.submit(lambda: bad, batch=True)
+    with structlog.testing.capture_logs() as logs:
+        writer.submit(lambda: _record("c"), batch=False)  # the last one: all go now
+        await writer.drain()
+    assert seen == ["a", "c"]
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["record_failed"]
+
+
+def test_a_records_arrival_is_written_in_utc_with_milliseconds() -> None:
+    from proxy.records import iso_utc
+
+    assert iso_utc(0.0) == "1970-01-01T00:00:00.000Z"
+    assert iso_utc(1796533390.4559) == "2026-12-06T05:03:10.455Z"
