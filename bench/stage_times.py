@@ -50,13 +50,15 @@ STAGES = (
 
 def serve(argv: list[str], out: Path) -> None:
     """``prefixgate serve`` with the record writer wrapped (the ``--serve`` half)."""
-    from proxy import records
+    from proxy import record_writer, records
     from proxy.cli import main
 
     rows: list[tuple[float, ...]] = []
-    emit = records.RecordWriter.emit
+    emit = record_writer.RecordWriter.emit
 
-    def timed(self: records.RecordWriter, record: records.RequestRecord, stages: object = None):  # type: ignore[no-untyped-def]
+    def timed(  # type: ignore[no-untyped-def]
+        self: record_writer.RecordWriter, record: records.RequestRecord, stages: object = None
+    ):
         t0 = records.monotonic()
         emit(self, record, stages)
         obs = getattr(stages, "obs", None)
@@ -77,7 +79,7 @@ def serve(argv: list[str], out: Path) -> None:
             return
         rows.append((*marks, obs.inspect_s, records.monotonic() - t0))  # type: ignore[arg-type]
 
-    records.RecordWriter.emit = timed  # type: ignore[method-assign]
+    record_writer.RecordWriter.emit = timed  # type: ignore[method-assign]
 
     def dump() -> None:
         kept = rows[50:] or rows

@@ -34,7 +34,8 @@ from proxy.fleet import Fleet
 from proxy.lift import LiftLedger
 from proxy.log import get_logger
 from proxy.prefixes import PrefixTracker
-from proxy.records import RecordBuilder, RecordWriter, monotonic
+from proxy.record_writer import RecordWriter
+from proxy.records import RecordBuilder, monotonic
 from proxy.redact import Redactor
 from proxy.scheduling import Scheduler
 from proxy.state import REQUEST_ID, STATE, T_START, ProxyState

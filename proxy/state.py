@@ -14,7 +14,8 @@ from proxy.exchange import Exchange
 from proxy.fleet import Fleet
 from proxy.lift import LiftLedger
 from proxy.prefixes import PrefixTracker
-from proxy.records import RecordBuilder, RecordWriter
+from proxy.record_writer import RecordWriter
+from proxy.records import RecordBuilder
 from proxy.redact import Redactor
 from proxy.scheduling import Scheduler
 from proxy.store import PrefixStore

@@ -24,7 +24,7 @@ from structlog.testing import LogCapture
 from proxy.app import build_app
 from proxy.config import resolve
 from proxy.log import get_logger
-from proxy.records import RecordWriter
+from proxy.record_writer import RecordWriter
 
 # Property tests explore new random examples on every local run; in CI they replay a fixed
 # sequence, so a run's outcome depends on the commit alone (a counterexample found locally is

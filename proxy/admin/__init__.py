@@ -30,7 +30,7 @@ from proxy.admin.dashboard import DashboardFiles
 from proxy.admin.metrics import ProxyMetrics
 from proxy.admin.stats import SCHEMA, build_stats, stats
 from proxy.config import Settings
-from proxy.records import RecordWriter
+from proxy.record_writer import RecordWriter
 from proxy.state import PROXY_APP, STATE
 
 METRICS = web.AppKey("prefixgate_metrics", ProxyMetrics)

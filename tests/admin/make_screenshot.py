@@ -42,7 +42,8 @@ from fakes import LlamaFake  # noqa: E402
 from proxy.app import admin_app, build_app  # noqa: E402
 from proxy.config import Settings, resolve  # noqa: E402
 from proxy.log import configure_logging, get_logger  # noqa: E402
-from proxy.records import Pricing, RecordWriter, RequestRecord, Slo  # noqa: E402
+from proxy.record_writer import RecordWriter  # noqa: E402
+from proxy.records import Pricing, RequestRecord, Slo  # noqa: E402
 from proxy.state import STATE  # noqa: E402
 from proxy.store import StatsSample  # noqa: E402
 from tests.ports import free_port  # noqa: E402

@@ -12,7 +12,8 @@ from aiohttp.test_utils import TestServer
 from proxy.app import build_app
 from proxy.config import resolve
 from proxy.log import get_logger
-from proxy.records import RecordWriter, RequestRecord
+from proxy.record_writer import RecordWriter
+from proxy.records import RequestRecord
 from tests.integration.llama import running_llama_server
 from tests.integration.tools_template import FLAGS, Proxy, proxied
 

@@ -16,7 +16,8 @@ from proxy.backends import CHAT
 from proxy.config import resolve
 from proxy.control import ControlGroup, conversation_key
 from proxy.log import get_logger
-from proxy.records import RecordWriter, RequestRecord
+from proxy.record_writer import RecordWriter
+from proxy.records import RequestRecord
 from proxy.scheduling.config import SchedulingConfig
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]

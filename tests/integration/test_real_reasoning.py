@@ -22,7 +22,8 @@ from aiohttp.test_utils import TestServer
 from proxy.app import build_app
 from proxy.config import resolve
 from proxy.log import get_logger
-from proxy.records import RecordWriter, RequestRecord, Slo
+from proxy.record_writer import RecordWriter
+from proxy.records import RequestRecord, Slo
 from tests.integration.llama import running_llama_server
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]

@@ -26,7 +26,8 @@ from proxy.app import build_app
 from proxy.backend_metrics import SOURCES
 from proxy.config import BackendSpec, HealthChecks, resolve
 from proxy.log import get_logger
-from proxy.records import RecordWriter, RequestRecord
+from proxy.record_writer import RecordWriter
+from proxy.records import RequestRecord
 from proxy.routing import RoutingConfig
 from proxy.state import STATE
 from tests.integration.llama import running_llama_server

@@ -15,7 +15,8 @@ from aiohttp.test_utils import TestServer
 from proxy.app import build_app
 from proxy.config import resolve
 from proxy.log import get_logger
-from proxy.records import RecordWriter, RequestRecord
+from proxy.record_writer import RecordWriter
+from proxy.records import RequestRecord
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "templates" / "chatml-tools.jinja"
 FLAGS = ("--jinja", "--chat-template-file", str(TEMPLATE))

@@ -16,7 +16,8 @@ from redis.crc import key_slot
 from proxy.app import build_app
 from proxy.config import Timeouts, resolve
 from proxy.log import get_logger
-from proxy.records import RecordWriter, RequestRecord
+from proxy.record_writer import RecordWriter
+from proxy.records import RequestRecord
 from tests.store.cluster_process import RedisClusterServer
 from tests.store.redis_process import RedisServer
 

@@ -7,11 +7,11 @@ import asyncio
 import pytest
 import structlog
 
+from proxy.record_writer import RecordWriter
 from proxy.records import (
     Observation,
     Pricing,
     RecordBuilder,
-    RecordWriter,
     RequestRecord,
     Slo,
     derive_latencies,
