@@ -7,10 +7,10 @@ prefix index → choose a replica (``Fleet.route``) → claim it in the index an
 let the dialect prepare the body → relay. A replica that fails before the client received a byte
 (connection failure, or a 502/503 status line) is ejected or passed over and the request is sent
 once to another healthy replica. Whatever happens, one ``RequestRecord`` is built from the
-exchange when it ends (with the replica, ``route_reason`` and ``retried_from``; while other
-requests are in progress, together with theirs: ``RecordWriter.submit``), and the record
-writer's learner (``proxy.exchange.learn``) updates the scheduler, the index and the
-statistics from it.
+exchange when it ends (with the replica, ``route_reason`` and ``retried_from``; a moment
+later, together with those of the requests that end meanwhile: ``RecordWriter.submit``), and
+the record writer's learner (``proxy.exchange.learn``) updates the scheduler, the index and
+the statistics from it.
 
 A request of the control group (``proxy.control``, with ``--control-share``) skips the
 canonicalizer, is routed round-robin (``Fleet.route_plain``) and left to the server's own slot
@@ -113,7 +113,6 @@ async def inference(request: web.Request) -> web.StreamResponse:
         ex.trace = state.tracer.begin(request.headers)
         ex.upstream_headers = ex.trace.upstream_headers
     namespace = tenant or DEFAULT_NAMESPACE
-    state.active += 1
     try:
         raw = await read_body(
             request, state.settings.max_body_bytes, idle_s=state.settings.timeouts.client
@@ -198,9 +197,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
                 await _lookup_answered(state, ex)
             except asyncio.CancelledError:  # while waiting (shutdown): the record still goes
                 cut_short = True
-        state.active -= 1
-        busy = state.active > 0 and not cut_short
-        state.writer.submit(functools.partial(_record, state, ex), ex, batch=busy)
+        state.writer.submit(functools.partial(_record, state, ex), ex, at_once=cut_short)
         if cut_short:
             raise asyncio.CancelledError
 

@@ -34,14 +34,18 @@ class RecordWriter(Generic[StagesT]):
     results it was built from (the scheduler's rates, the prefix index and the statistics).
     Async work a sink returns runs as a background task, tracked so shutdown can drain it.
 
-    ``submit`` hands over a record still to be built. While other requests are in progress it
-    is built and written with the others that ended meanwhile, together, at most
-    ``BATCH_DELAY_S`` later or as soon as ``BATCH_MAX`` have ended: interleaved with the
-    relaying of other answers the same work costs far more, its code and data pushed out of
-    the processor's caches by everything in between, and the batch's lines go out in one
-    write. Each is built and emitted in its own request's logging context, in the order the
-    requests ended. A request ending alone is written at once; when the last request in
-    progress ends, what is held goes in the loop's next turn.
+    ``submit`` hands over a record still to be built. It is built and written with the others
+    that end meanwhile, together, ``BATCH_DELAY_S`` after the first of them ended or as soon
+    as ``BATCH_MAX`` have: interleaved with the relaying of other answers the same work costs
+    far more, its code and data pushed out of the processor's caches by everything in
+    between, and the batch's lines go out in one write. Each is built and emitted in its own
+    request's logging context, in the order the requests ended.
+
+    A request that ends alone waits too: built right after its answer's end was written, its
+    record would hold up the client's next request, which arrives a moment later (and, on one
+    machine, the client itself, woken on the processor the proxy keeps busy); a moment later,
+    the proxy is most likely waiting on the backend. What reads the records' effects,
+    ``/metrics`` and ``/stats``, calls ``flush_ended`` first.
     """
 
     BATCH_MAX = 32
@@ -85,18 +89,21 @@ class RecordWriter(Generic[StagesT]):
                 self._deliver(learner, record, stages)
 
     def submit(
-        self, build: Callable[[], RequestRecord], stages: StagesT | None = None, *, batch: bool
+        self,
+        build: Callable[[], RequestRecord],
+        stages: StagesT | None = None,
+        *,
+        at_once: bool = False,
     ) -> None:
-        """Build a finished request's record (``build``) and ``emit`` it: with the others
-        that end meanwhile when ``batch`` (other requests are in progress), else at once, or,
-        when some are held, with them in the loop's next turn (never inside the handler that
-        ended last: it does not pay for the others). A record that cannot be built or written
-        is logged, never raised."""
-        if not batch and not self._ended:
-            self._build_and_emit(build, stages)
-            return
+        """Build a finished request's record (``build``) and ``emit`` it, with the others that
+        end meanwhile: ``BATCH_DELAY_S`` after the first of them, or in the loop's next turn
+        once ``BATCH_MAX`` are held (never inside the handler that ended last: it does not pay
+        for the others). ``at_once`` (a request cut short at shutdown): what is held goes now,
+        this one last. A record that cannot be built or written is logged, never raised."""
         self._ended.append((build, stages, contextvars.copy_context()))
-        if not batch or len(self._ended) >= self.BATCH_MAX:
+        if at_once:
+            self.flush_ended()
+        elif len(self._ended) >= self.BATCH_MAX:
             self._flush_after(0.0)
         elif self._timer is None:
             self._flush_after(self.BATCH_DELAY_S)

@@ -46,9 +46,6 @@ class ProxyState:
     """The control group's per-conversation tallies (only with ``--control-share``)."""
     tracer: RecordTracer | None = None
     """Traces over OTLP (only when the environment configures an endpoint)."""
-    active: int = 0
-    """Inference requests in this process's handler now (their records are written together
-    while others are in progress: ``RecordWriter.submit``)."""
 
 
 STATE = web.AppKey("prefixgate_state", ProxyState)

@@ -83,6 +83,7 @@ async def make_proxy() -> AsyncIterator[MakeProxy]:
         logs.append(records)
         writer = RecordWriter(logger=get_logger("prefixgate.records"))
         writer.add_sink(records.append)
+        records.writer = writer
         app = build_app(settings, writer=writer)
         client = ProxyClient(app)
         opened.append(client)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -37,6 +37,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.app import admin_app
 from proxy.config import BackendSpec, HealthChecks
+from proxy.record_writer import RecordWriter
 from proxy.records import RequestRecord
 from proxy.routing import RoutingConfig
 from tests.fake_apis import (
@@ -67,6 +68,48 @@ class RecordLog(list[RequestRecord]):
         super().__init__()
         self._grew = asyncio.Event()
         self.schema_problems: list[str] = []
+        self.writer: RecordWriter[Any] | None = None
+        """The writer whose sink this is: reading the log first writes what it holds (records
+        wait a moment to go out together, ``RecordWriter.submit``), as ``/metrics`` and
+        ``/stats`` do, so every request that has ended is in it."""
+
+    @classmethod
+    def of(cls, writer: RecordWriter[Any]) -> RecordLog:
+        """The log of every record ``writer`` writes (its sink)."""
+        log = cls()
+        writer.add_sink(log.append)
+        log.writer = writer
+        return log
+
+    def _current(self) -> None:
+        if self.writer is not None:
+            self.writer.flush_ended()
+
+    def __len__(self) -> int:
+        self._current()
+        return super().__len__()
+
+    def __iter__(self) -> Iterator[RequestRecord]:
+        self._current()
+        return super().__iter__()
+
+    def __getitem__(self, index: Any) -> Any:
+        self._current()
+        return super().__getitem__(index)
+
+    def __reversed__(self) -> Iterator[RequestRecord]:
+        self._current()
+        return super().__reversed__()
+
+    def __contains__(self, item: object) -> bool:
+        self._current()
+        return super().__contains__(item)
+
+    def __eq__(self, other: object) -> bool:
+        self._current()
+        return super().__eq__(other)
+
+    __hash__ = None  # type: ignore[assignment]  # (a list's)
 
     def append(self, record: RequestRecord) -> None:
         problems = violations(as_logged(record))

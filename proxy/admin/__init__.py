@@ -23,6 +23,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
+from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from proxy.admin.auth import Handler, require_admin
@@ -51,6 +52,18 @@ __all__ = [
 ]
 
 
+def _current(writer: RecordWriter[Any], registry: CollectorRegistry) -> Handler:
+    """The Prometheus page, with the records held for a moment (``RecordWriter.submit``)
+    counted first: every request that has ended is in it."""
+    page = make_aiohttp_handler(registry)
+
+    async def metrics_page(request: web.Request) -> web.StreamResponse:
+        writer.flush_ended()
+        return await page(request)
+
+    return metrics_page
+
+
 def build_admin_app(
     proxy_app: web.Application,
     settings: Settings,
@@ -75,7 +88,7 @@ def build_admin_app(
     for path, handler in probes:
         admin.router.add_get(path, handler)
     admin.router.add_get("/stats", require_admin(token, stats))
-    admin.router.add_get("/metrics", require_admin(token, make_aiohttp_handler(metrics.registry)))
+    admin.router.add_get("/metrics", require_admin(token, _current(writer, metrics.registry)))
     admin.router.add_get("/dashboard", require_admin(token, files.page))
     admin.router.add_get("/dashboard/", files.slash)
     admin.router.add_get("/dashboard/{asset}", require_admin(token, files.asset))

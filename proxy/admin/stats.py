@@ -149,7 +149,9 @@ def canonical_view(state: ProxyState, namespace: str) -> dict[str, Any]:
 async def build_stats(state: ProxyState, query: StatsQuery, *, now: float) -> dict[str, Any]:
     """The ``/stats`` document for ``query`` at ``now`` (epoch seconds).
 
-    This proxy's queued store writes are applied first: its own finished requests are all in."""
+    This proxy's held records and queued store writes are applied first: its own finished
+    requests are all in."""
+    state.writer.flush_ended()
     await state.tracker.flush()
     since = now - query.seconds
     window = await state.store.query_stats(

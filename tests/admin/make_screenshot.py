@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from chromium import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
-from fakes import LlamaFake  # noqa: E402
+from fakes import LlamaFake, RecordLog  # noqa: E402
 
 from proxy.app import admin_app, build_app  # noqa: E402
 from proxy.config import Settings, resolve  # noqa: E402
@@ -179,9 +179,8 @@ async def main(out: Path, window: str, width: int) -> None:
         urls.append(url)
     settings: Settings = resolve({"backend": urls}, environ={})
     settings = dataclasses.replace(settings, slo=SLO, pricing=PRICING)
-    records: list[RequestRecord] = []
     writer = RecordWriter(logger=get_logger("prefixgate.records"))
-    writer.add_sink(records.append)
+    records = RecordLog.of(writer)
     app = build_app(settings, writer=writer)
     proxy_runner, base = await start(app)
     runners.append(proxy_runner)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestServer
+from fakes import RecordLog
 
 from proxy.app import build_app
 from proxy.config import resolve
@@ -49,9 +50,8 @@ class RunningProxy:
 @pytest.fixture
 async def real_proxy(llama_url: str) -> AsyncIterator[RunningProxy]:
     """prefixgate in process, in front of the real llama-server."""
-    records: list[RequestRecord] = []
     writer = RecordWriter(logger=get_logger("test.records"))
-    writer.add_sink(records.append)
+    records = RecordLog.of(writer)
     settings = resolve({"backend": [llama_url]}, environ={})
     app = build_app(dataclasses.replace(settings, canonicalize=True), writer=writer)
     server = TestServer(app)

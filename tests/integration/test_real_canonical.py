@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from fakes import RecordLog
 
 from proxy.app import build_app
 from proxy.config import resolve
@@ -56,9 +57,8 @@ def _shuffled(obj: Any, rng: random.Random) -> Any:
 
 
 async def _agent_loop(llama_url: str, *, canonicalize: bool, seed: int) -> list[RequestRecord]:
-    records: list[RequestRecord] = []
     writer = RecordWriter(logger=get_logger("test.records"))
-    writer.add_sink(records.append)
+    records = RecordLog.of(writer)
     settings = dataclasses.replace(
         resolve({"backend": [llama_url]}, environ={}), canonicalize=canonicalize
     )

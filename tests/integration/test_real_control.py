@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from fakes import RecordLog
 
 from proxy.app import build_app
 from proxy.backends import CHAT
@@ -66,9 +67,8 @@ async def test_control_requests_are_unpinned_and_never_seen_as_foreign(llama_url
     server chose learned from its answer; no treated request is ever refused a pin as
     ``slot_foreign``; the treated turns are served from cache far more than the control ones."""
     control, treated = pick(0.5)
-    records: list[RequestRecord] = []
     writer = RecordWriter(logger=get_logger("test.records"))
-    writer.add_sink(records.append)
+    records = RecordLog.of(writer)
     settings = dataclasses.replace(
         resolve({"backend": [llama_url]}, environ={}),
         control=ControlGroup(share=0.5),

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from fakes import RecordLog
 
 from bench import workloads
 from proxy.app import build_app
@@ -48,9 +49,8 @@ def two_servers() -> Iterator[tuple[str, str]]:
 
 @pytest.fixture
 async def proxied(two_servers: tuple[str, str]) -> AsyncIterator[tuple[str, list[RequestRecord]]]:
-    records: list[RequestRecord] = []
     writer = RecordWriter(logger=get_logger("test.records"))
-    writer.add_sink(records.append)
+    records = RecordLog.of(writer)
     settings = resolve({"backend": [two_servers[1]]}, environ={})
     server = TestServer(build_app(settings, writer=writer))
     await server.start_server()
@@ -120,9 +120,8 @@ async def test_fleet_as_make_run_starts_the_server_never_recomputes_the_shared_p
     """With the flags ``make run`` gives llama-server, the second conversation's first request
     takes a copy of the slot holding the shared system prompt (``slot_copy``), the first
     conversation keeps its slot, and every request after the first reuses a cached prefix."""
-    records: list[RequestRecord] = []
     writer = RecordWriter(logger=get_logger("test.records"))
-    writer.add_sink(records.append)
+    records = RecordLog.of(writer)
     settings = resolve(
         {"backend": [two_servers_as_run[1]], "server_slot_similarity": 0.0}, environ={}
     )

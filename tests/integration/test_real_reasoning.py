@@ -18,6 +18,7 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp.test_utils import TestServer
+from fakes import RecordLog
 
 from proxy.app import build_app
 from proxy.config import resolve
@@ -62,9 +63,8 @@ async def start_proxy(thinking_server: str) -> AsyncIterator[Any]:
     servers: list[TestServer] = []
 
     async def start(slo: Slo) -> Proxy:
-        records: list[RequestRecord] = []
         writer = RecordWriter(logger=get_logger("test.records"))
-        writer.add_sink(records.append)
+        records = RecordLog.of(writer)
         settings = dataclasses.replace(resolve({"backend": [thinking_server]}, environ={}), slo=slo)
         server = TestServer(build_app(settings, writer=writer))
         await server.start_server()

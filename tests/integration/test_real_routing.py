@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from fakes import RecordLog
 
 from proxy.app import build_app
 from proxy.backend_metrics import SOURCES
@@ -79,9 +80,8 @@ async def run_workload(
     urls: tuple[str, str], policy: str, seed: str
 ) -> tuple[list[RequestRecord], dict[str, Any]]:
     """Serve the workload through a proxy with ``policy``; the records and fleet facts."""
-    records: list[RequestRecord] = []
     writer = RecordWriter(logger=get_logger("test.records"))
-    writer.add_sink(records.append)
+    records = RecordLog.of(writer)
     settings = dataclasses.replace(
         resolve({"backend": list(urls)}, environ={}),
         backends=tuple(BackendSpec(url=u) for u in urls),

@@ -10,12 +10,12 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from fakes import RecordLog
 
 from proxy.app import build_app
 from proxy.config import resolve
 from proxy.log import get_logger
 from proxy.record_writer import RecordWriter
-from proxy.records import RequestRecord
 from tests.integration.llama import running_llama_server
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
@@ -73,9 +73,8 @@ async def burst(session: aiohttp.ClientSession, url: str, tag: str) -> tuple[flo
 
 async def test_fan_out_burst_is_prefilled_once_and_finishes_sooner(four_slots: str) -> None:
     """Through prefixgate the burst prefills the prompt once and ends sooner than direct."""
-    records: list[RequestRecord] = []
     writer = RecordWriter(logger=get_logger("test.records"))
-    writer.add_sink(records.append)
+    records = RecordLog.of(writer)
     settings = resolve({"backend": [four_slots]}, environ={})
     server = TestServer(build_app(settings, writer=writer))
     await server.start_server()

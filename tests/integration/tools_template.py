@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp.test_utils import TestServer
+from fakes import RecordLog
 
 from proxy.app import build_app
 from proxy.config import resolve
@@ -31,9 +32,8 @@ class Proxy:
 @asynccontextmanager
 async def proxied(backend: str) -> AsyncIterator[Proxy]:
     """prefixgate with its defaults in front of ``backend``, logging the bodies it forwards."""
-    records: list[RequestRecord] = []
     writer = RecordWriter(logger=get_logger("test.records"))
-    writer.add_sink(records.append)
+    records = RecordLog.of(writer)
     settings = resolve({"backend": [backend]}, environ={})
     app = build_app(dataclasses.replace(settings, log_prompts=True), writer=writer)
     server = TestServer(app)

@@ -13,6 +13,8 @@ from record_check import violations
 
 from analyzers.readers import RECORDS, detect_format, read_paths
 from proxy.log import configure_logging
+from proxy.records import RequestRecord
+from proxy.state import STATE
 
 SYSTEM = " ".join(f"rule{i}" for i in range(40))
 
@@ -35,19 +37,19 @@ async def test_logged_records_match_the_schema_and_the_analyzer_reads_them(
 ) -> None:
     """Lines of plain, streamed, failed and prompt-logging requests validate and are analyzed."""
     log = tmp_path / "records.jsonl"
-    plain, _, _ = await make_proxy(llama_fake.url)
+    plain, plain_records, _ = await make_proxy(llama_fake.url)
     logging_prompts, records, _ = await make_proxy(llama_fake.url, log_prompts=True)
     configure_logging(log_file=str(log))
     try:
-        for client, body in (
-            (plain, chat("what is one plus one")),
-            (plain, chat("what is two plus two", stream=True)),
-            (logging_prompts, chat("what is three plus three", prompt_cache_key="thread-1")),
-            (plain, {"model": "fake-model", "messages": "not a list"}),  # 400: a record too
+        for client, written, n, body in (
+            (plain, plain_records, 1, chat("what is one plus one")),
+            (plain, plain_records, 2, chat("what is two plus two", stream=True)),
+            (logging_prompts, records, 1, chat("what is three plus three", prompt_cache_key="t")),
+            (plain, plain_records, 3, {"model": "fake-model", "messages": "not a list"}),  # 400
         ):
             async with client.post("/v1/chat/completions", json=body) as resp:
                 await resp.read()
-        await records.wait(1)
+            await written.wait(n)  # each line in turn (a record waits a moment to go out)
     finally:
         configure_logging()  # closes the file
     lines = request_lines(log)
@@ -140,3 +142,29 @@ def test_the_lines_of_a_batch_go_out_together(tmp_path: Path) -> None:
         assert [line["request_id"] for line in request_lines(log)] == ["a", "b"]
     finally:
         configure_logging()
+
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_reading_metrics_or_stats_first_writes_the_held_records(
+    llama_fake: LlamaFake, make_proxy: MakeProxy
+) -> None:
+    """``/metrics`` and ``/stats`` count every request that has ended, its record held or not
+    (the records' sink here is a plain list, which does not write them when read)."""
+    client, _, app = await make_proxy(llama_fake.url)
+    writer = app[STATE].writer
+    seen: list[RequestRecord] = []
+    writer.add_sink(seen.append)
+    resp = await client.post("/v1/chat/completions", json=CHAT)
+    assert resp.status == 200
+    await resp.read()
+    assert seen == [] and writer._ended  # held
+    page = await (await client.admin.get("/metrics")).text()
+    assert len(seen) == 1
+    assert "prefixgate_requests_total{" in page
+    resp = await client.post("/v1/chat/completions", json=CHAT)
+    await resp.read()
+    stats = await (await client.admin.get("/stats")).json()
+    assert len(seen) == 2
+    assert stats["totals"]["requests"] == 2

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from fakes import RecordLog
 from redis.crc import key_slot
 
 from proxy.app import build_app
@@ -128,9 +129,8 @@ async def start_proxy() -> AsyncIterator[Callable[[str, str], Awaitable[Proxy]]]
     servers: list[TestServer] = []
 
     async def start(backend_url: str, redis_url: str) -> Proxy:
-        records: list[RequestRecord] = []
         writer = RecordWriter(logger=get_logger("test.records"))
-        writer.add_sink(records.append)
+        records = RecordLog.of(writer)
         settings = resolve({"backend": [backend_url], "redis_url": redis_url}, environ={})
         settings = dataclasses.replace(
             settings, timeouts=Timeouts(connect=2, idle=5, store=0.05), dialect="openai"

@@ -208,34 +208,38 @@ def _record(request_id: str) -> RequestRecord:
     )  # fmt: skip
 
 
-async def test_a_record_ending_alone_is_written_at_once_the_others_together() -> None:
-    """``submit``: with no other request in progress the record is built and handed out at
-    once; while others are, records wait for each other (at most ``BATCH_DELAY_S``) and go in
-    the order their requests ended, a request ending alone sending the held ones first."""
+async def test_records_wait_a_moment_to_go_together_in_the_order_they_ended() -> None:
+    """``submit``: a record, even of a request that ended alone, is held and built with the
+    others that end meanwhile, ``BATCH_DELAY_S`` after the first (never inside the handler
+    that hands it over), in the order the requests ended; a full batch goes in the loop's
+    next turn; ``at_once`` (a request cut short at shutdown) sends what is held and itself."""
     writer: RecordWriter[str] = RecordWriter(logger=structlog.get_logger("t"))
     seen: list[str] = []
     writer.add_sink(lambda rec: seen.append(rec.request_id))
     writer.add_learner(lambda rec, stages: seen.append(f"learned:{stages}"))
-    writer.submit(lambda: _record("alone"), "s0", batch=False)
-    assert seen == ["alone", "learned:s0"]
+    writer.submit(lambda: _record("alone"), "s0")
+    assert seen == []  # held: the client's next request may be arriving
+    await asyncio.sleep(0)
+    assert seen == []  # (not in the loop's next turn either)
+    await asyncio.sleep(RecordWriter.BATCH_DELAY_S * 5)
+    assert seen == ["alone", "learned:s0"]  # the timer sent it
     seen.clear()
-    writer.submit(lambda: _record("a"), "s1", batch=True)
-    writer.submit(lambda: _record("b"), "s2", batch=True)
+    writer.submit(lambda: _record("a"), "s1")
+    writer.submit(lambda: _record("b"), "s2")
     assert seen == []  # held
     await asyncio.sleep(RecordWriter.BATCH_DELAY_S * 5)
-    assert seen == ["a", "learned:s1", "b", "learned:s2"]  # the timer sent them
-    seen.clear()
-    writer.submit(lambda: _record("c"), batch=True)
-    writer.submit(lambda: _record("d"), batch=False)  # the last one in progress ended
-    assert seen == []  # (not inside its handler: the loop's next turn)
-    await asyncio.sleep(0)
-    assert seen == ["c", "d"]
+    assert seen == ["a", "learned:s1", "b", "learned:s2"]  # one timer sent both
     seen.clear()
     for i in range(RecordWriter.BATCH_MAX):
-        writer.submit(lambda i=i: _record(f"r{i}"), batch=True)  # type: ignore[misc]
+        writer.submit(lambda i=i: _record(f"r{i}"))  # type: ignore[misc]
+    assert seen == []  # (not inside the handler that filled the batch)
     await asyncio.sleep(0)
     assert len(seen) == RecordWriter.BATCH_MAX  # a full batch goes in the loop's next turn
-    writer.submit(lambda: _record("late"), batch=True)
+    seen.clear()
+    writer.submit(lambda: _record("c"))
+    writer.submit(lambda: _record("cut"), at_once=True)
+    assert seen == ["c", "cut"]
+    writer.submit(lambda: _record("late"))
     await writer.drain()  # drain writes what is held
     assert seen[-1] == "late" and not writer.pending
 
@@ -257,8 +261,8 @@ async def test_a_held_record_is_built_in_its_own_requests_context() -> None:
     writer.add_sink(lambda rec: seen.append(rec.request_id))
     for rid in ("r1", "r2"):
         structlog.contextvars.bind_contextvars(request_id=rid)
-        writer.submit(lambda rid=rid: build(rid), batch=True)  # type: ignore[misc]
-        writer.submit(broken, batch=True)
+        writer.submit(lambda rid=rid: build(rid))  # type: ignore[misc]
+        writer.submit(broken)
     structlog.contextvars.clear_contextvars()
     with structlog.testing.capture_logs() as logs:
         await writer.drain()
@@ -285,10 +289,10 @@ async def test_a_record_that_fails_to_go_out_costs_only_itself() -> None:
     bad = Unwritable(
         ts="t", request_id="bad", route="/x", model=None, backend=None, stream=False, status=200
     )
-    writer.submit(lambda: _record("a"), batch=True)
-    writer.submit(lambda: bad, batch=True)
+    writer.submit(lambda: _record("a"))
+    writer.submit(lambda: bad)
     with structlog.testing.capture_logs() as logs:
-        writer.submit(lambda: _record("c"), batch=False)  # the last one: all go now
+        writer.submit(lambda: _record("c"), at_once=True)
         await writer.drain()
     assert seen == ["a", "c"]
     assert [e["event"] for e in logs if e["log_level"] == "error"] == ["record_failed"]
