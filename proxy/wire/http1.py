@@ -197,6 +197,12 @@ class AnswerReader:
                     size = int(text, 16)
                     if size and len(data) == nl + size + 4 and data.endswith(b"\r\n"):
                         return data[nl + 2 : -2]
+            whole = _whole_chunks(data)
+            if whole is not None:
+                payload, complete = whole
+                if complete:
+                    self.state = _DONE
+                return payload
         buf = self.buf + data if self.buf else data
         self.buf = b""
         pos, end = 0, len(buf)
@@ -252,6 +258,32 @@ class AnswerReader:
         if not out:
             return b""
         return out[0] if len(out) == 1 else b"".join(out)
+
+
+def _whole_chunks(data: bytes) -> tuple[bytes, bool] | None:
+    """The payload of ``data`` and whether it ended the body, when ``data`` is whole chunks
+    with bare hex size lines, the last chunk and no trailer at most ending it (a backend's
+    reads under load: several token events each); else None, left to the general reader.
+    The same bytes as the general reader gives, in fewer steps."""
+    out: list[bytes] = []
+    pos, end, find = 0, len(data), data.find
+    while pos < end:
+        nl = find(b"\r\n", pos, pos + 18)
+        if nl <= pos:
+            return None
+        text = data[pos:nl]
+        if text.strip(_HEX_DIGITS):
+            return None
+        size = int(text, 16)
+        start = nl + 2
+        if not size:  # the last chunk: the body ends here, unless trailers or more follow
+            return (b"".join(out), True) if end - start == 2 and data[start:] == b"\r\n" else None
+        stop = start + size
+        if data[stop : stop + 2] != b"\r\n":
+            return None
+        out.append(data[start:stop])
+        pos = stop + 2
+    return b"".join(out), False
 
 
 def _line_end(buf: bytes, pos: int, limit: int, what: str) -> int:
