@@ -219,7 +219,7 @@ def build_app(
             finally:
                 await state.scheduler.aclose()
                 await fleet.aclose()
-                await record_writer.drain()
+                await record_writer.drain(final=True)
                 if canonicalizer.forms is not None:
                     await canonicalizer.forms.drain()
                 if canonicalizer.spans is not None:

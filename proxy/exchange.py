@@ -216,8 +216,12 @@ def settle_view(ex: Exchange) -> None:
 def learn(state: ProxyState, record: RequestRecord, ex: Exchange) -> Awaitable[None] | None:
     """The record writer's learner: what the proxy learns from a finished request.
 
-    The scheduler's picture and rates at once; the prefix index, the token ratio and the
-    statistics in the background (the returned coroutine).
+    The scheduler's picture and rates when the record is written (up to
+    ``RecordWriter.BATCH_DELAY_S`` after the request ended: a request arriving sooner is placed
+    with the figures of the requests before it, which move by a fraction each); the prefix
+    index, the token ratio and the statistics in the background (the returned coroutine). What
+    a next request must see at once, the slot its predecessor leaves and the claims and counts
+    in flight, is not learned here: the handler does it as the request ends.
     """
     state.scheduler.learn(record, ex.ticket)
     target = ex.target

@@ -3,8 +3,8 @@
 The record's line is written synchronously (cheap, and never to be lost); then every sink gets the
 record (metrics, tests) and every learner the record with the stage results it was built from
 (the scheduler's rates, the prefix index, the statistics), after the response has ended, so none
-of it sits on the client's critical path. Under load records are built and written in batches
-(``RecordWriter.submit``).
+of it sits on the client's critical path. Records are built and written in batches, a moment
+after their requests ended (``RecordWriter.submit``).
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ class RecordWriter(Generic[StagesT]):
             tuple[Callable[[], RequestRecord], StagesT | None, contextvars.Context]
         ] = []
         self._timer: asyncio.Handle | None = None
+        self._closed = False
+        """Drained for good (shutdown): a record handed over later goes at once."""
 
     def add_flusher(self, flush: Callable[[], Awaitable[None]]) -> None:
         """``drain`` also applies what ``flush`` holds queued (the store's write behind)."""
@@ -101,7 +103,7 @@ class RecordWriter(Generic[StagesT]):
         for the others). ``at_once`` (a request cut short at shutdown): what is held goes now,
         this one last. A record that cannot be built or written is logged, never raised."""
         self._ended.append((build, stages, contextvars.copy_context()))
-        if at_once:
+        if at_once or self._closed:
             self.flush_ended()
         elif len(self._ended) >= self.BATCH_MAX:
             self._flush_after(0.0)
@@ -162,9 +164,22 @@ class RecordWriter(Generic[StagesT]):
         if exc is not None:
             self._log.error("record_sink_failed", exc_info=exc)
 
-    async def drain(self, limit_s: float = 5.0) -> None:
+    async def settled(self, limit_s: float) -> None:
+        """Emit the records held so far and wait, at most ``limit_s``, for the background work
+        they started (a learner's store writes): what reads their effects (``/stats``) then
+        counts every request that has ended. Unlike ``drain``, it does not wait for work that
+        starts meanwhile."""
+        self.flush_ended()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=limit_s)
+
+    async def drain(self, limit_s: float = 5.0, *, final: bool = False) -> None:
         """Emit the records still held, wait (bounded) for background sink work and apply the
-        writes it queued, e.g. at shutdown or in tests."""
+        writes it queued, e.g. at shutdown or in tests. ``final`` (shutdown): a record handed
+        over afterwards (a handler still ending) is written at once, not held for a timer that
+        may never fire."""
+        if final:
+            self._closed = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit_s
         while True:

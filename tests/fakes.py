@@ -118,9 +118,10 @@ class RecordLog(list[RequestRecord]):
         self._grew.set()
 
     async def wait(self, n: int = 1, limit_s: float = 2.0) -> RequestRecord:
-        """Wait until at least ``n`` records exist (they are written after the response ends)."""
+        """Wait until at least ``n`` records exist (they are written a moment after the
+        response ends), as the writer writes them: waiting does not write them sooner."""
         async with asyncio.timeout(limit_s):
-            while len(self) < n:
+            while super().__len__() < n:  # (written by the writer's own timer, not by reading)
                 self._grew.clear()
                 await self._grew.wait()
         return self[n - 1]

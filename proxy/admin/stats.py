@@ -151,7 +151,7 @@ async def build_stats(state: ProxyState, query: StatsQuery, *, now: float) -> di
 
     This proxy's held records and queued store writes are applied first: its own finished
     requests are all in."""
-    state.writer.flush_ended()
+    await state.writer.settled(state.settings.timeouts.store)
     await state.tracker.flush()
     since = now - query.seconds
     window = await state.store.query_stats(

@@ -197,16 +197,17 @@ class AnswerReader:
                     size = int(text, 16)
                     if size and len(data) == nl + size + 4 and data.endswith(b"\r\n"):
                         return data[nl + 2 : -2]
-            whole = _whole_chunks(data)
-            if whole is not None:
-                payload, complete = whole
-                if complete:
-                    self.state = _DONE
-                return payload
-        buf = self.buf + data if self.buf else data
+            out, pos, complete = _whole_chunks(data)
+            if complete:
+                self.state = _DONE
+            if complete or pos == len(data):
+                return out[0] if len(out) == 1 else b"".join(out)
+            buf = data  # the rest from ``pos``, as the general reader takes it
+        else:
+            buf = self.buf + data if self.buf else data
+            pos, out = 0, []
         self.buf = b""
-        pos, end = 0, len(buf)
-        out: list[bytes] = []
+        end = len(buf)
         state = self.state
         while pos < end:
             if state == _CHUNK_DATA:
@@ -260,30 +261,32 @@ class AnswerReader:
         return out[0] if len(out) == 1 else b"".join(out)
 
 
-def _whole_chunks(data: bytes) -> tuple[bytes, bool] | None:
-    """The payload of ``data`` and whether it ended the body, when ``data`` is whole chunks
-    with bare hex size lines, the last chunk and no trailer at most ending it (a backend's
-    reads under load: several token events each); else None, left to the general reader.
-    The same bytes as the general reader gives, in fewer steps."""
+def _whole_chunks(data: bytes) -> tuple[list[bytes], int, bool]:
+    """The leading whole chunks of ``data`` with bare hex size lines (a backend's reads under
+    load: several token events each), read at a chunk's start: their payloads, where they
+    end, and whether the last chunk (with no trailer) ended the body there. The general
+    reader takes what is left from that position: the same bytes, in fewer steps."""
     out: list[bytes] = []
     pos, end, find = 0, len(data), data.find
     while pos < end:
         nl = find(b"\r\n", pos, pos + 18)
         if nl <= pos:
-            return None
+            break
         text = data[pos:nl]
         if text.strip(_HEX_DIGITS):
-            return None
+            break
         size = int(text, 16)
         start = nl + 2
         if not size:  # the last chunk: the body ends here, unless trailers or more follow
-            return (b"".join(out), True) if end - start == 2 and data[start:] == b"\r\n" else None
+            if end - start == 2 and data[start:] == b"\r\n":
+                return out, end, True
+            break
         stop = start + size
         if data[stop : stop + 2] != b"\r\n":
-            return None
+            break
         out.append(data[start:stop])
         pos = stop + 2
-    return b"".join(out), False
+    return out, pos, False
 
 
 def _line_end(buf: bytes, pos: int, limit: int, what: str) -> int:

@@ -168,3 +168,21 @@ async def test_reading_metrics_or_stats_first_writes_the_held_records(
     stats = await (await client.admin.get("/stats")).json()
     assert len(seen) == 2
     assert stats["totals"]["requests"] == 2
+
+
+async def test_stats_counts_the_request_that_just_ended_with_writes_not_queued(
+    llama_fake: LlamaFake, make_proxy: MakeProxy
+) -> None:
+    """With no write queue (``--store-write-delay-ms 0``) the statistics are written by the
+    learner's own background work, which ``/stats`` waits for once it has written the held
+    records."""
+    client, _, app = await make_proxy(llama_fake.url, store_write_delay_ms=0.0)
+    writer = app[STATE].writer
+    seen: list[RequestRecord] = []
+    writer.add_sink(seen.append)
+    resp = await client.post("/v1/chat/completions", json=CHAT)
+    await resp.read()
+    assert seen == []  # held
+    stats = await (await client.admin.get("/stats")).json()
+    assert stats["totals"]["requests"] == 1
+

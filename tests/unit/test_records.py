@@ -242,6 +242,11 @@ async def test_records_wait_a_moment_to_go_together_in_the_order_they_ended() ->
     writer.submit(lambda: _record("late"))
     await writer.drain()  # drain writes what is held
     assert seen[-1] == "late" and not writer.pending
+    writer.submit(lambda: _record("held"))
+    await writer.drain(final=True)  # shutdown
+    assert seen[-1] == "held"
+    writer.submit(lambda: _record("after"))  # a handler still ending: no timer to wait for
+    assert seen[-1] == "after"
 
 
 async def test_a_held_record_is_built_in_its_own_requests_context() -> None:

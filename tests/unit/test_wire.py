@@ -321,25 +321,35 @@ async def test_idle_connections_are_closed_after_the_keepalive() -> None:
 @given(
     parts=st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=6),
     cuts=st.lists(st.integers(min_value=1, max_value=400), max_size=8),
-    extension=st.booleans(),
+    extension=st.sampled_from([b"", b";ext=1"]),
+    size_form=st.sampled_from([b"%x", b"%X", b"00%x"]),
     per_read=st.integers(min_value=0, max_value=3),
     trailer=st.booleans(),
+    extra=st.sampled_from([b"", b"HTTP/1.1 200 OK\r\n"]),
 )
 def test_chunked_bodies_decode_the_same_however_the_reads_are_cut(
-    parts: list[bytes], cuts: list[int], extension: bool, per_read: int, trailer: bool
+    parts: list[bytes],
+    cuts: list[int],
+    extension: bytes,
+    size_form: bytes,
+    per_read: int,
+    trailer: bool,
+    extra: bytes,
 ) -> None:
     """Whatever the reads: cut anywhere, one whole chunk each (a streaming backend's token
-    events), or several (the same under load, the last chunk included), with or without
-    chunk extensions and trailers."""
-    frames = [b"%x%s\r\n%b\r\n" % (len(p), b";ext=1" if extension else b"", p) for p in parts]
+    events), or several (the same under load, the last chunk included), and then cut once
+    more inside; size lines in either case, with leading zeros, with or without extensions;
+    with or without trailers; bytes after the body make the connection one not to reuse."""
+    frames = [size_form % len(p) + extension + b"\r\n" + p + b"\r\n" for p in parts]
     frames.append(b"0\r\nX-Trailer: t\r\n\r\n" if trailer else b"0\r\n\r\n")
-    raw = SSE_HEAD + b"".join(frames)
-    if per_read:  # whole chunks, ``per_read`` of them a read
-        cuts, pos = [], len(SSE_HEAD)
+    raw = SSE_HEAD + b"".join(frames) + extra
+    if per_read:  # whole chunks, ``per_read`` of them a read, and one cut of ``cuts`` besides
+        whole, pos = cuts[:1], len(SSE_HEAD)
         for i, frame in enumerate(frames):
             if i % per_read == 0:
-                cuts.append(pos)
+                whole.append(pos)
             pos += len(frame)
+        cuts = whole
 
     class Conn:  # what Answering touches of its connection, without a socket
         loop = asyncio.new_event_loop()
@@ -361,7 +371,7 @@ def test_chunked_bodies_decode_the_same_however_the_reads_are_cut(
                 pos = cut
         answering.received(raw[pos:])
         assert answering.complete
-        assert answering.keep_alive
+        assert answering.keep_alive == (not extra)
         assert b"".join(got) == b"".join(parts)
     finally:
         conn.loop.close()

@@ -1,0 +1,96 @@
+"""Added TTFT at one stream, prefixgate installations against the bare relay, in shuffled rounds.
+
+One run of the overhead benchmark gives one figure per target at one stream, and on a shared
+machine that figure moves by ±0.15 ms from run to run, more than a change to the request path
+does. This runs many short rounds instead: in each, every target (direct, the bare relay,
+``bench/bare_relay.py``, and each prefixgate given) serves ``--requests`` requests at one stream
+in a shuffled order, and the figure kept is each prefixgate's TTFT p50 less the relay's of the
+same round. Their median over the rounds is the comparison to go by; drift of the machine
+between rounds cancels out.
+
+A prefixgate is ``this`` (this installation's) or the path of another installation's
+``prefixgate`` (another tree, exported and run through a wrapper:
+``git archive REV proxy | tar -x -C /tmp/t`` and ``PYTHONPATH=/tmp/t exec .venv/bin/prefixgate
+"$@"``). Every target runs in front of one fake backend (``--tokens`` tokens ``--itl-ms``
+apart, the overhead benchmark's 8 KB bodies).
+
+Run: ``python bench/one_stream.py [this] [PATH ...] [--rounds 20] [--requests 100]
+[--tokens 4] [--itl-ms 5] [--seed 7]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import loadgen
+import procs
+from bench_overhead import salted_bodies
+
+DIRECT, RELAY = "direct", "relay"
+
+
+def ttft_p50(url: str, bodies: loadgen.BodyFactory, requests: int) -> float:
+    results, _ = asyncio.run(
+        loadgen.closed_loop(url + loadgen.CHAT_PATH, bodies, concurrency=1, requests=requests)
+    )
+    return statistics.median(r.ttft_ms for r in results if r.ok and r.ttft_ms is not None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("prefixgates", nargs="*", default=["this"])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--requests", type=int, default=100, help="per target and round")
+    parser.add_argument("--tokens", type=int, default=4)
+    parser.add_argument("--itl-ms", type=float, default=5.0)
+    parser.add_argument("--prompt-bytes", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=7, help="the rounds' shuffled orders")
+    args = parser.parse_args(argv)
+    bodies = salted_bodies(args.prompt_bytes, args.tokens)
+    with tempfile.TemporaryDirectory(prefix="pg-one-") as tmp, ExitStack() as stack:
+        workdir = Path(tmp)
+        fake = stack.enter_context(
+            procs.start_fake(workdir, tokens=args.tokens, itl_ms=args.itl_ms)
+        )
+        urls = {
+            DIRECT: fake.url,
+            RELAY: stack.enter_context(procs.start_bare_relay(workdir, fake.url)).url,
+        }
+        for i, name in enumerate(args.prefixgates):
+            command = None if name == "this" else [name]
+            proxy = procs.start_prefixgate(workdir, fake.url, name=f"pg{i}", command=command)
+            urls[name] = stack.enter_context(proxy).url
+        for url in urls.values():  # warm up
+            ttft_p50(url, bodies, 50)
+        order = list(urls)
+        rng = random.Random(args.seed)
+        p50: dict[str, list[float]] = {name: [] for name in urls}
+        for _ in range(args.rounds):
+            rng.shuffle(order)
+            for name in order:
+                p50[name].append(ttft_p50(urls[name], bodies, args.requests))
+    print(
+        f"{args.rounds} rounds of {args.requests} requests a target, one stream, "
+        f"{args.prompt_bytes} B prompts, {args.tokens} tokens {args.itl_ms} ms apart"
+    )
+    print("target: TTFT p50 median over the rounds; its p50 less the relay's, median (mean)")
+    for name, values in p50.items():
+        added = [v - r for v, r in zip(values, p50[RELAY], strict=True)]
+        print(
+            f"{name}: {statistics.median(values):.3f} ms; over the relay "
+            f"{statistics.median(added):+.3f} ({statistics.mean(added):+.3f}) ms"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
