@@ -138,6 +138,7 @@ def build_app(
     )
     # What the proxy learns from a finished request, with the stages it was built from.
     record_writer.add_learner(lambda record, ex: learn(app[STATE], record, ex))
+    record_writer.hold_while(lambda: app[STATE].awaiting_first > 0)
     ledger: LiftLedger | None = None
     if settings.control.enabled:
         ledger = lift = LiftLedger(share=settings.control.share)

@@ -82,6 +82,8 @@ class Exchange:
     """Told once, with the event (or whole answer) that carried the backend's first token."""
     forwarded: asyncio.Event | None = None
     """Set when the request is handed to the backend (work that can wait for it waits)."""
+    awaiting_first: bool = False
+    """Counted in ``ProxyState.awaiting_first`` (arrived, no token out yet)."""
     lookup_queued: bool = False
     """The store's lookup went with the queued writes (``PrefixTracker.lookup``, deferred):
     they are sent at the first token, or at once for an answer that is not streamed."""
@@ -216,8 +218,8 @@ def settle_view(ex: Exchange) -> None:
 def learn(state: ProxyState, record: RequestRecord, ex: Exchange) -> Awaitable[None] | None:
     """The record writer's learner: what the proxy learns from a finished request.
 
-    The scheduler's picture and rates when the record is written (up to
-    ``RecordWriter.BATCH_DELAY_S`` after the request ended: a request arriving sooner is placed
+    The scheduler's picture and rates when the record is written (``RecordWriter.BATCH_DELAY_S``
+    after the request ended, ``HOLD_MAX_S`` at most: a request arriving sooner is placed
     with the figures of the requests before it, which move by a fraction each); the prefix
     index, the token ratio and the statistics in the background (the returned coroutine). What
     a next request must see at once, the slot its predecessor leaves and the claims and counts

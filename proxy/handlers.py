@@ -42,7 +42,7 @@ from proxy.exchange import Exchange, Outgoing, Target, build_record, settle_view
 from proxy.fleet import Replica
 from proxy.log import get_logger
 from proxy.passthrough import relay_passthrough
-from proxy.prefixes import PrefixTracker, PrefixView
+from proxy.prefixes import PrefixView
 from proxy.records import Observation, RequestRecord, monotonic
 from proxy.relay import BackendConnectTimeout, NotStarted, relay_inference, send_answer
 from proxy.routing import RETRY_REASON, Decision
@@ -113,6 +113,8 @@ async def inference(request: web.Request) -> web.StreamResponse:
         ex.trace = state.tracer.begin(request.headers)
         ex.upstream_headers = ex.trace.upstream_headers
     namespace = tenant or DEFAULT_NAMESPACE
+    state.awaiting_first += 1
+    ex.awaiting_first = True
     try:
         raw = await read_body(
             request, state.settings.max_body_bytes, idle_s=state.settings.timeouts.client
@@ -188,6 +190,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
         ex.status, ex.error = CLIENT_CLOSED, "client_disconnected"
         raise
     finally:
+        _first_out(state, ex)
         if obs.t_end is None:
             obs.t_end = monotonic()
         cut_short = False
@@ -278,7 +281,7 @@ async def _attempt(
         )
         ex.obs.t_admitted = monotonic()
         admitted = True
-        ex.on_first_token = _first_token(ticket, tracker)
+        ex.on_first_token = _first_token(state, ex)
         edited = edited or ticket.body_changed
         ex.upstream_body = out.raw
         if edited or ex.strip_usage:
@@ -306,15 +309,28 @@ async def _attempt(
             state.writer.spawn(done)
 
 
-def _first_token(ticket: Ticket, tracker: PrefixTracker) -> Callable[[Mapping[str, Any]], None]:
+def _first_token(state: ProxyState, ex: Exchange) -> Callable[[Mapping[str, Any]], None]:
     """What the relay calls at the first token, once it is on its way to the client: the
-    scheduler learns it, and a lookup left for after it (``answer_local``) is read."""
+    scheduler learns it, a lookup left for after it (``answer_local``) is read, and the
+    request no longer holds the records back (``_first_out``)."""
+    ticket, tracker = ex.ticket, state.tracker
+    assert ticket is not None
 
     def first_token(event: Mapping[str, Any]) -> None:
         ticket.first_token(event)
         tracker.answer_local()
+        _first_out(state, ex)
 
     return first_token
+
+
+def _first_out(state: ProxyState, ex: Exchange) -> None:
+    """``ex``'s first token is out, or it ended without one: it no longer waits on the proxy
+    for its time to first token (the records wait while any request does:
+    ``RecordWriter.hold_while``)."""
+    if ex.awaiting_first:
+        ex.awaiting_first = False
+        state.awaiting_first -= 1
 
 
 async def _lookup_answered(state: ProxyState, ex: Exchange) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 import structlog
 
 from proxy.log import info_line, lines_held
-from proxy.records import RECORD_EVENT, RequestRecord
+from proxy.records import RECORD_EVENT, RequestRecord, monotonic
 
 RecordSink = Callable[[RequestRecord], Awaitable[None] | None]
 StagesT = TypeVar("StagesT")
@@ -43,13 +43,16 @@ class RecordWriter(Generic[StagesT]):
 
     A request that ends alone waits too: built right after its answer's end was written, its
     record would hold up the client's next request, which arrives a moment later (and, on one
-    machine, the client itself, woken on the processor the proxy keeps busy); a moment later,
-    the proxy is most likely waiting on the backend. What reads the records' effects,
+    machine, the client itself, woken on the processor the proxy keeps busy). Their moment
+    waits, too, while some request has no token out yet (``hold_while``): at one stream they
+    then go between two tokens of the next answer. What reads the records' effects,
     ``/metrics`` and ``/stats``, calls ``flush_ended`` first.
     """
 
     BATCH_MAX = 32
     BATCH_DELAY_S = 0.002
+    HOLD_MAX_S = 0.010
+    """How long records may wait, at most, for ``hold_while``'s requests."""
 
     def __init__(self, *, logger: structlog.typing.FilteringBoundLogger) -> None:
         self._log = logger
@@ -63,6 +66,14 @@ class RecordWriter(Generic[StagesT]):
         self._timer: asyncio.Handle | None = None
         self._closed = False
         """Drained for good (shutdown): a record handed over later goes at once."""
+        self._hold: Callable[[], bool] | None = None
+        self._held_since = 0.0
+
+    def hold_while(self, busy: Callable[[], bool]) -> None:
+        """When their moment comes, held records wait on (up to ``HOLD_MAX_S`` in all) while
+        ``busy()``: some request has no token out yet, and what runs now would come between
+        it and its first token (its body's reads, its answer's head and first event)."""
+        self._hold = busy
 
     def add_flusher(self, flush: Callable[[], Awaitable[None]]) -> None:
         """``drain`` also applies what ``flush`` holds queued (the store's write behind)."""
@@ -102,6 +113,8 @@ class RecordWriter(Generic[StagesT]):
         once ``BATCH_MAX`` are held (never inside the handler that ended last: it does not pay
         for the others). ``at_once`` (a request cut short at shutdown): what is held goes now,
         this one last. A record that cannot be built or written is logged, never raised."""
+        if not self._ended:
+            self._held_since = monotonic()
         self._ended.append((build, stages, contextvars.copy_context()))
         if at_once or self._closed:
             self.flush_ended()
@@ -118,9 +131,25 @@ class RecordWriter(Generic[StagesT]):
         loop = asyncio.get_running_loop()
         empty = contextvars.Context()  # each record runs in its own request's, not the caller's
         if delay_s > 0.0:
-            self._timer = loop.call_later(delay_s, self.flush_ended, context=empty)
+            self._timer = loop.call_later(delay_s, self._due, context=empty)
         else:
             self._timer = loop.call_soon(self.flush_ended, context=empty)
+
+    def _due(self) -> None:
+        """The held records' moment: they go, unless ``hold_while``'s check says to wait (and
+        they have waited less than ``HOLD_MAX_S``), in which case they look again shortly."""
+        hold = self._hold
+        if hold is not None and monotonic() - self._held_since < self.HOLD_MAX_S:
+            try:
+                busy = hold()
+            except Exception:  # a broken check must not keep the records
+                busy = False
+            if busy:
+                self._timer = asyncio.get_running_loop().call_later(
+                    self.BATCH_DELAY_S / 4, self._due, context=contextvars.Context()
+                )
+                return
+        self.flush_ended()
 
     def flush_ended(self) -> None:
         """Build and emit every record ``submit`` holds, in the order they came."""

@@ -46,6 +46,9 @@ class ProxyState:
     """The control group's per-conversation tallies (only with ``--control-share``)."""
     tracer: RecordTracer | None = None
     """Traces over OTLP (only when the environment configures an endpoint)."""
+    awaiting_first: int = 0
+    """Inference requests that arrived and have no token out yet: the proxy's work for them is
+    their time to first token, and records wait for them (``RecordWriter.hold_while``)."""
 
 
 STATE = web.AppKey("prefixgate_state", ProxyState)

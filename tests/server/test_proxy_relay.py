@@ -303,6 +303,7 @@ async def test_records_of_overlapping_requests_all_come_and_nothing_stays_held(
         await asyncio.gather(streamed(), streamed(), refused(), cut_off(), streamed())
         await records.wait(5)
     state = app[STATE]
+    assert state.awaiting_first == 0  # (requests whose first token is not out: records wait)
     await asyncio.sleep(0.05)
     assert not state.writer._ended  # the timer sent them all
     await state.writer.drain()

@@ -185,4 +185,3 @@ async def test_stats_counts_the_request_that_just_ended_with_writes_not_queued(
     assert seen == []  # held
     stats = await (await client.admin.get("/stats")).json()
     assert stats["totals"]["requests"] == 1
-

@@ -249,6 +249,34 @@ async def test_records_wait_a_moment_to_go_together_in_the_order_they_ended() ->
     assert seen[-1] == "after"
 
 
+async def test_held_records_wait_while_a_request_has_no_token_out() -> None:
+    """At their moment, held records wait on while some request has no token out yet (what
+    runs now comes between it and its first token), but never past ``HOLD_MAX_S``."""
+    writer: RecordWriter[str] = RecordWriter(logger=structlog.get_logger("t"))
+    seen: list[str] = []
+    writer.add_sink(lambda rec: seen.append(rec.request_id))
+    awaiting = [True]
+    writer.hold_while(lambda: awaiting[0])
+    writer.submit(lambda: _record("a"))
+    await asyncio.sleep(RecordWriter.BATCH_DELAY_S * 2)
+    assert seen == []  # its moment came while a request had no token out
+    awaiting[0] = False
+    await asyncio.sleep(RecordWriter.BATCH_DELAY_S)
+    assert seen == ["a"]  # once it had
+    awaiting[0] = True
+    writer.submit(lambda: _record("b"))
+    await asyncio.sleep(RecordWriter.HOLD_MAX_S + RecordWriter.BATCH_DELAY_S * 2)
+    assert seen == ["a", "b"]  # requests arriving all the time: no longer than HOLD_MAX_S
+
+    def broken() -> bool:
+        raise RuntimeError("check failed")
+
+    writer.hold_while(broken)
+    writer.submit(lambda: _record("c"))
+    await asyncio.sleep(RecordWriter.BATCH_DELAY_S * 3)
+    assert seen == ["a", "b", "c"]  # a broken check holds nothing
+
+
 async def test_a_held_record_is_built_in_its_own_requests_context() -> None:
     """Each held record is built and emitted with its own request's bound context (log lines
     of its learners name its request), and one that cannot be built costs only itself."""
