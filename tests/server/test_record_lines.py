@@ -154,6 +154,7 @@ async def test_reading_metrics_or_stats_first_writes_the_held_records(
     (the records' sink here is a plain list, which does not write them when read)."""
     client, _, app = await make_proxy(llama_fake.url)
     writer = app[STATE].writer
+    writer.BATCH_DELAY_S = 60.0  # held until read, however slow the machine
     seen: list[RequestRecord] = []
     writer.add_sink(seen.append)
     resp = await client.post("/v1/chat/completions", json=CHAT)
@@ -178,6 +179,7 @@ async def test_stats_counts_the_request_that_just_ended_with_writes_not_queued(
     records."""
     client, _, app = await make_proxy(llama_fake.url, store_write_delay_ms=0.0)
     writer = app[STATE].writer
+    writer.BATCH_DELAY_S = 60.0  # held until read, however slow the machine
     seen: list[RequestRecord] = []
     writer.add_sink(seen.append)
     resp = await client.post("/v1/chat/completions", json=CHAT)

@@ -217,17 +217,18 @@ async def test_records_wait_a_moment_to_go_together_in_the_order_they_ended() ->
     seen: list[str] = []
     writer.add_sink(lambda rec: seen.append(rec.request_id))
     writer.add_learner(lambda rec, stages: seen.append(f"learned:{stages}"))
+    writer.BATCH_DELAY_S = 0.05  # (longer than any stall of a loaded machine's loop)
     writer.submit(lambda: _record("alone"), "s0")
     assert seen == []  # held: the client's next request may be arriving
     await asyncio.sleep(0)
     assert seen == []  # (not in the loop's next turn either)
-    await asyncio.sleep(RecordWriter.BATCH_DELAY_S * 5)
+    await asyncio.sleep(writer.BATCH_DELAY_S * 3)
     assert seen == ["alone", "learned:s0"]  # the timer sent it
     seen.clear()
     writer.submit(lambda: _record("a"), "s1")
     writer.submit(lambda: _record("b"), "s2")
     assert seen == []  # held
-    await asyncio.sleep(RecordWriter.BATCH_DELAY_S * 5)
+    await asyncio.sleep(writer.BATCH_DELAY_S * 3)
     assert seen == ["a", "learned:s1", "b", "learned:s2"]  # one timer sent both
     seen.clear()
     for i in range(RecordWriter.BATCH_MAX):
@@ -257,12 +258,14 @@ async def test_held_records_wait_while_a_request_has_no_token_out() -> None:
     writer.add_sink(lambda rec: seen.append(rec.request_id))
     awaiting = [True]
     writer.hold_while(lambda: awaiting[0])
+    writer.HOLD_MAX_S = 60.0  # (first: the hold alone, however slow the machine)
     writer.submit(lambda: _record("a"))
     await asyncio.sleep(RecordWriter.BATCH_DELAY_S * 2)
     assert seen == []  # its moment came while a request had no token out
     awaiting[0] = False
     await asyncio.sleep(RecordWriter.BATCH_DELAY_S)
     assert seen == ["a"]  # once it had
+    writer.HOLD_MAX_S = RecordWriter.HOLD_MAX_S
     awaiting[0] = True
     writer.submit(lambda: _record("b"))
     await asyncio.sleep(RecordWriter.HOLD_MAX_S + RecordWriter.BATCH_DELAY_S * 2)
