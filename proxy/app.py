@@ -21,7 +21,7 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from proxy import handlers
+from proxy import handlers, passthrough
 from proxy.admin import ADMIN_APP, ADMIN_PATHS, build_admin_app
 from proxy.attribution import MissAttributor
 from proxy.auth import KeysFileError, auth_middleware, load_keys, refuse_ambiguous_paths
@@ -235,7 +235,7 @@ def build_app(
     app.cleanup_ctx.append(resources)
     for path in handlers.INFERENCE_PATHS:
         app.router.add_post(path, handlers.inference)
-    app.router.add_route("*", "/{tail:.*}", handlers.passthrough)
+    app.router.add_route("*", "/{tail:.*}", passthrough.passthrough)
     build_admin_app(
         app,
         settings,

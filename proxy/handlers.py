@@ -1,6 +1,7 @@
-"""Request handlers: inference routes, transparent pass-through, liveness and readiness.
+"""Request handlers: the inference routes, liveness and readiness.
 
-The liveness and readiness probes are served on the admin listener (``proxy.admin``).
+The liveness and readiness probes are served on the admin listener (``proxy.admin``); every
+other path passes through (``proxy.passthrough``).
 
 An inference request goes: read and parse the body → canonicalize → fingerprint and look up the
 prefix index → choose a replica (``Fleet.route``) → claim it in the index and count it in flight →
@@ -34,14 +35,11 @@ from proxy.control import conversation_key
 from proxy.errors import (
     BackendBadAnswer,
     BackendUnavailable,
-    NotFound,
     ProxyError,
     anthropic_error_response,
 )
 from proxy.exchange import Exchange, Outgoing, Target, build_record, settle_view
-from proxy.fleet import Replica
 from proxy.log import get_logger
-from proxy.passthrough import relay_passthrough
 from proxy.prefixes import PrefixView
 from proxy.records import Observation, RequestRecord, monotonic
 from proxy.relay import BackendConnectTimeout, NotStarted, relay_inference, send_answer
@@ -53,8 +51,6 @@ from proxy.stream_relay import CLIENT_CLOSED
 from proxy.validation import parse_object, read_body, validate_inference
 
 log = get_logger()
-
-IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 # Paths served as inference, and the route (dialect and fingerprint vocabulary) each one is.
 INFERENCE_PATHS = {
@@ -406,49 +402,6 @@ async def _retry(
         return await _attempt(request, state, ex, view, target, out, retry=False)
     finally:
         ex.obs.t_forward = t_forward
-
-
-async def passthrough(request: web.Request) -> web.StreamResponse:
-    """Every other path: forwarded to the first healthy backend untouched.
-
-    When that backend cannot be reached, an idempotent request (GET, HEAD, OPTIONS) is sent
-    once to the next healthy one. ``--passthrough read-only`` forwards only those methods,
-    ``off`` nothing (404): pass-through requests get no record, no canonicalization and no
-    tenant cache partition, so an operator isolating tenants can close them.
-    """
-    state = request.app[STATE]
-    mode = state.settings.passthrough
-    if mode == "off" or (mode == "read-only" and request.method not in IDEMPOTENT_METHODS):
-        raise NotFound(
-            f"{request.method} {request.path} is not forwarded by this proxy "
-            f"(--passthrough {mode}); it serves chat, completions, /completion, "
-            "responses and messages"
-        )
-    limit, idle_s = state.settings.max_body_bytes, state.settings.timeouts.client
-    body = await read_body(request, limit, idle_s=idle_s) if request.can_read_body else None
-    order = state.fleet.passthrough_order()
-
-    async def forward(replica: Replica) -> web.StreamResponse:
-        return await relay_passthrough(
-            request,
-            state.session,
-            url=replica.url + request.path,
-            body=body,
-            request_id=request[REQUEST_ID],
-            timeouts=state.settings.timeouts,
-            backend_api_key=state.settings.backend_api_key,
-        )
-
-    try:
-        return await forward(order[0])
-    except BackendBadAnswer:
-        raise  # it answered: an odd answer on a pass-through path never ejects a replica
-    except (BackendUnavailable, BackendConnectTimeout) as exc:
-        state.fleet.report_failure(order[0], exc.message)
-        second = next((r for r in order[1:] if r.healthy), None)
-        if second is None or request.method not in IDEMPOTENT_METHODS:
-            raise
-        return await forward(second)
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -4,6 +4,8 @@ The request goes as the client sent it (hop-by-hop headers aside) and the answer
 chunk by chunk as it arrives; nothing is read, recorded or rewritten. Bodiless answers keep
 their ``Content-Length`` and ``Content-Encoding``. The session and its connector are
 ``proxy.upstream``'s; the inference path has its own connections (``proxy.wire``).
+``passthrough`` is the route's handler (methods and a second replica), ``relay_passthrough``
+the forwarding.
 """
 
 from __future__ import annotations
@@ -16,9 +18,15 @@ import aiohttp
 from aiohttp import web
 
 from proxy.config import Timeouts
+from proxy.errors import BackendBadAnswer, BackendUnavailable, NotFound
+from proxy.fleet import Replica
 from proxy.headers import downstream_response_headers
-from proxy.relay import outgoing_request, upstream_failure
+from proxy.relay import BackendConnectTimeout, outgoing_request, upstream_failure
+from proxy.state import REQUEST_ID, STATE
 from proxy.stream_relay import write_to_client
+from proxy.validation import read_body
+
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 def is_bodiless(method: str, status: int) -> bool:
@@ -120,3 +128,46 @@ async def relay_passthrough(
             upstream.close()  # the status is sent; ending the body early is all that is left
         await write_to_client(request, resp, None, timeouts.client)
         return resp
+
+
+async def passthrough(request: web.Request) -> web.StreamResponse:
+    """Every other path: forwarded to the first healthy backend untouched.
+
+    When that backend cannot be reached, an idempotent request (GET, HEAD, OPTIONS) is sent
+    once to the next healthy one. ``--passthrough read-only`` forwards only those methods,
+    ``off`` nothing (404): pass-through requests get no record, no canonicalization and no
+    tenant cache partition, so an operator isolating tenants can close them.
+    """
+    state = request.app[STATE]
+    mode = state.settings.passthrough
+    if mode == "off" or (mode == "read-only" and request.method not in IDEMPOTENT_METHODS):
+        raise NotFound(
+            f"{request.method} {request.path} is not forwarded by this proxy "
+            f"(--passthrough {mode}); it serves chat, completions, /completion, "
+            "responses and messages"
+        )
+    limit, idle_s = state.settings.max_body_bytes, state.settings.timeouts.client
+    body = await read_body(request, limit, idle_s=idle_s) if request.can_read_body else None
+    order = state.fleet.passthrough_order()
+
+    async def forward(replica: Replica) -> web.StreamResponse:
+        return await relay_passthrough(
+            request,
+            state.session,
+            url=replica.url + request.path,
+            body=body,
+            request_id=request[REQUEST_ID],
+            timeouts=state.settings.timeouts,
+            backend_api_key=state.settings.backend_api_key,
+        )
+
+    try:
+        return await forward(order[0])
+    except BackendBadAnswer:
+        raise  # it answered: an odd answer on a pass-through path never ejects a replica
+    except (BackendUnavailable, BackendConnectTimeout) as exc:
+        state.fleet.report_failure(order[0], exc.message)
+        second = next((r for r in order[1:] if r.healthy), None)
+        if second is None or request.method not in IDEMPOTENT_METHODS:
+            raise
+        return await forward(second)

@@ -145,9 +145,8 @@ class RecordWriter(Generic[StagesT]):
             except Exception:  # a broken check must not keep the records
                 busy = False
             if busy:
-                self._timer = asyncio.get_running_loop().call_later(
-                    self.BATCH_DELAY_S / 4, self._due, context=contextvars.Context()
-                )
+                self._timer = None
+                self._flush_after(self.BATCH_DELAY_S / 4)
                 return
         self.flush_ended()
 
