@@ -12,10 +12,11 @@ import json
 from typing import Any
 
 from aiohttp import web
-from fakes import LlamaFake, MakeProxy, VllmFake, fleet_proxy, serve
+from fakes import Knobs, LlamaFake, MakeProxy, SlotLlamaFake, VllmFake, fleet_proxy, serve
 from structlog.testing import LogCapture
 
 from proxy.config import HealthChecks
+from proxy.control import ControlGroup
 from proxy.scheduling.config import SchedulingConfig
 from proxy.state import STATE
 
@@ -121,9 +122,36 @@ async def test_a_quiet_backend_is_not_polled(aiohttp_server: Any, make_proxy: Ma
     assert fake.slots_reads <= max(reads, 1)
     assert replica.load_paused and not replica.may_poll_slots
     replica.in_flight = 1  # a request of this proxy's is running there: read again
+    assert replica.may_poll_slots  # at once, not at the next round
     await fleet.check_all()
     assert fake.slots_reads == max(reads, 1) + 1 and not replica.load_paused
     replica.in_flight = 0
+
+
+async def test_a_quiet_backend_is_read_for_the_slot_of_a_request_it_places(
+    aiohttp_server: Any, make_proxy: MakeProxy
+) -> None:
+    """A control-group request on a quiet llama-server: the server picks its slot and its chat
+    answer does not say which, so the proxy reads ``/slots`` while the request runs there;
+    quiet since the last round does not stop that read, and the record has the slot."""
+    fake = await serve(SlotLlamaFake(Knobs(token_delay_s=0.1), slots=2), aiohttp_server)
+    client, records, app = await fleet_proxy(
+        make_proxy,
+        fake,
+        scheduling=SchedulingConfig(slots_poll_s=0.05),
+        control=ControlGroup(share=1.0),
+    )
+    fleet = app[STATE].fleet
+    replica = fleet[fake.url]
+    await fleet.check_all()
+    assert replica.load_paused  # quiet: the next round is an hour away
+    async with client.post("/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 200
+        await resp.read()
+    record = await records.wait(1)
+    assert record.control_group and record.schedule_reason == "slot_unpinned"
+    assert record.slot in (0, 1)
+    assert not replica.may_poll_slots  # quiet again once nothing of ours runs there
 
 
 async def test_busy_backend_is_polled_every_round(
