@@ -7,7 +7,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 import redis
@@ -15,7 +15,7 @@ import redis
 from proxy.store import PrefixStore, StoreTimeouts
 from tests.ports import free_port
 
-StoreFactory = Callable[..., PrefixStore]
+StoreFactory = Callable[..., Awaitable[PrefixStore]]
 
 # Behavioural tests pin what the store answers, not how fast: generous deadlines keep a loaded
 # CI machine from turning a slow lookup into a degraded (empty) answer. The failure tests set

@@ -24,8 +24,8 @@ def body(names: list[str]) -> dict[str, Any]:
 async def test_a_proxy_adopts_the_form_another_proxy_learned(make_store: StoreFactory) -> None:
     """Proxy A sees the set first; proxy B (its own store client) sees it shuffled and sends
     A's order; a third set B sees first is A's to adopt in turn."""
-    first_store = make_store()
-    second_store = first_store if isinstance(first_store, EmbeddedStore) else make_store()
+    first_store = await make_store()
+    second_store = first_store if isinstance(first_store, EmbeddedStore) else await make_store()
     one, two = FormMemory(), FormMemory()
     one.bind(first_store)
     two.bind(second_store)

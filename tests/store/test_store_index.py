@@ -94,7 +94,7 @@ async def test_prompt_longer_than_capacity_keeps_its_head(store: PrefixStore) ->
 
 async def test_idle_ttl_drops_a_replica_index(make_store: StoreFactory) -> None:
     """An index not written for ``index_ttl_s`` is gone; a write renews it."""
-    store = make_store(index_ttl_s=0.25)
+    store = await make_store(index_ttl_s=0.25)
     p = chain(*blocks("t", 3))
     await store.record_prefix("default", R1, p, CAP)
     await store.record_prefix("default", R2, p, CAP)
@@ -116,7 +116,7 @@ async def test_namespaces_are_isolated(store: PrefixStore) -> None:
 
 async def test_healthy_store_is_not_degraded_and_closes_twice(make_store: StoreFactory) -> None:
     """A working store reports not degraded; ``aclose`` may be called again."""
-    store = make_store()
+    store = await make_store()
     await store.record_prefix("default", R1, chain("x"), CAP)
     assert await store.longest_match("default", [R1], chain("x")) == {R1: 1}
     assert store.degraded is False

@@ -31,7 +31,7 @@ async def test_remembered_values_expire(store: PrefixStore) -> None:
 
 async def test_values_over_the_size_cap_are_not_kept(make_store: StoreFactory) -> None:
     """A value larger than ``memory_value_bytes`` is skipped; the others of the call are kept."""
-    store = make_store(memory_value_bytes=8)
+    store = await make_store(memory_value_bytes=8)
     await store.remember("default", "form", {"big": b"x" * 9, "small": b"ok"}, ttl_s=60)
     assert await store.recall("default", "form", ["big", "small"]) == [None, b"ok"]
 

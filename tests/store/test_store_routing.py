@@ -92,10 +92,10 @@ async def test_traffic_counts_are_per_namespace(store: PrefixStore) -> None:
 
 async def test_traffic_window_forgets(make_store: StoreFactory) -> None:
     """Counts leave the window between one and two bucket lengths after they were made."""
-    store = make_store(traffic_window_s=0.3)
+    store = await make_store(traffic_window_s=0.3)
     p = chain("w", 2)
     await store.observe_traffic("default", p)
-    assert (await store.traffic_counts("default", p))[0] == 1
+    assert (await store.traffic_counts("default", p))[0] == 1, f"{store.failures} failed calls"
     await asyncio.sleep(0.65)  # two full buckets later
     assert await store.traffic_counts("default", p) == (0, [0, 0])
 
@@ -105,7 +105,7 @@ async def test_a_full_traffic_bucket_counts_only_the_hashes_it_holds(
 ) -> None:
     """Past ``traffic_max_hashes`` a bucket still counts each request and the hashes it holds
     (the shared prefix, exactly), and adds no new one (the second family's own blocks)."""
-    store = make_store(traffic_max_hashes=6, traffic_window_s=3600.0)  # one bucket throughout
+    store = await make_store(traffic_max_hashes=6, traffic_window_s=3600.0)  # one bucket throughout
     system = chain("sys", 2)
     a, b = chain("a", 2, head=system), chain("b", 2, head=system)
     await store.observe_traffic("default", a)  # 4 hashes

@@ -28,8 +28,8 @@ def body(n: int) -> dict[str, Any]:
 async def test_a_proxy_relocates_a_span_another_proxy_learned(make_store: StoreFactory) -> None:
     """Proxy A learns the pattern from three requests; proxy B (its own store client) relocates
     the value from its first request of that tenant; another tenant learns on its own."""
-    first_store = make_store()
-    second_store = first_store if isinstance(first_store, EmbeddedStore) else make_store()
+    first_store = await make_store()
+    second_store = first_store if isinstance(first_store, EmbeddedStore) else await make_store()
     a, b = Canonicalizer(), Canonicalizer()
     assert a.spans is not None and b.spans is not None
     a.spans.bind(first_store)

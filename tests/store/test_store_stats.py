@@ -154,7 +154,7 @@ async def test_namespaces_keep_separate_stats(store: PrefixStore) -> None:
 
 async def test_stats_past_retention_are_dropped(make_store: StoreFactory) -> None:
     """A sample older than the retention is not kept; a recent one is."""
-    store = make_store(stats_retention_s=3600)
+    store = await make_store(stats_retention_s=3600)
     await store.add_stats(sample(NOW - 3 * 3600, prompt_tokens=1))
     await store.add_stats(sample(NOW - 60, prompt_tokens=2))
     w = await store.query_stats(since_s=NOW - 4 * 3600)
@@ -207,7 +207,7 @@ async def test_top_prefixes_rank_by_tokens(store: PrefixStore) -> None:
 
 async def test_top_prefixes_are_trimmed_per_hour(make_store: StoreFactory) -> None:
     """Past the cap, the anchors that served the fewest tokens are dropped."""
-    store = make_store(top_prefixes_cap=3)
+    store = await make_store(top_prefixes_cap=3)
     for i, anchor in enumerate(["a1", "a2", "a3", "a4", "a5"]):
         await store.add_stats(sample(BASE + i, prefix_anchor=anchor, prompt_tokens=10 * (i + 1)))
     top = await store.top_prefixes(since_s=BASE, limit=10)

@@ -102,8 +102,8 @@ async def read_back(store: PrefixStore, chains: list[list[int]]) -> dict[str, An
 async def test_batched_writes_leave_the_store_as_single_writes_do(
     make_store: StoreFactory, seed: int
 ) -> None:
-    one_by_one = make_store(key_prefix=f"single{seed}")
-    batched = make_store(key_prefix=f"batched{seed}")
+    one_by_one = await make_store(key_prefix=f"single{seed}")
+    batched = await make_store(key_prefix=f"batched{seed}")
     behind = WriteBehind(batched, delay_s=60.0)  # applied only by the flushes
     chains: list[list[int]] = []
     for op, args in workload(seed):
