@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from proxy.scheduling import Ticket
     from proxy.state import ProxyState
     from proxy.tracing import TraceContext
+    from proxy.wire import Body
 
 
 @dataclass(slots=True)
@@ -77,7 +78,7 @@ class Exchange:
     strip_usage: bool = False
     status: int = 0
     error: str | None = None
-    upstream_body: bytes = b""
+    upstream_body: Body = b""
     on_first_token: Callable[[Mapping[str, Any]], None] | None = None
     """Told once, with the event (or whole answer) that carried the backend's first token."""
     forwarded: asyncio.Event | None = None

@@ -49,6 +49,7 @@ from proxy.state import REQUEST_ID, STATE, T_START, TENANT, ProxyState, proxy_st
 from proxy.store import DEFAULT_NAMESPACE
 from proxy.stream_relay import CLIENT_CLOSED
 from proxy.validation import parse_object, read_body, validate_inference
+from proxy.wire import Body
 
 log = get_logger()
 
@@ -65,17 +66,27 @@ INFERENCE_PATHS = {
 }
 
 
-def added_fields(raw: bytes, original: dict[str, Any], body: dict[str, Any]) -> bytes | None:
+_JSON_SPACE = frozenset(b" \t\r\n")
+_CLOSE = ord("}")
+
+
+def added_fields(raw: bytes, original: dict[str, Any], body: dict[str, Any]) -> Body | None:
     """The client's bytes with the top-level fields ``body`` adds to ``original`` appended
     (a slot id, a usage request), or None when ``body`` also drops or replaces a field.
 
     A request no rule rewrote then reaches the backend as the client wrote it, plus only what
-    the proxy adds; re-serializing would change its spacing and escapes.
+    the proxy adds; re-serializing would change its spacing and escapes. The fields added come
+    as a second part after the client's bytes (``proxy.wire.Body``), so a large body is never
+    copied to append them.
     """
     if any(key not in body or body[key] is not value for key, value in original.items()):
         return None
-    end = raw.rstrip()
-    if not end.endswith(b"}") or not original:
+    end, limit = len(raw), max(len(raw) - 64, 0)
+    while end > limit and raw[end - 1] in _JSON_SPACE:  # (``rstrip`` would copy the body)
+        end -= 1
+    if end == limit and limit:  # a long run of trailing space: counted by a copy after all
+        end = len(raw.rstrip(b" \t\r\n"))
+    if not end or raw[end - 1] != _CLOSE or not original:
         return None
     extra = b",".join(
         orjson.dumps(key) + b":" + orjson.dumps(value)
@@ -84,7 +95,7 @@ def added_fields(raw: bytes, original: dict[str, Any], body: dict[str, Any]) -> 
     )
     if not extra:
         return raw
-    return b"".join((memoryview(end)[:-1], b",", extra, b"}"))  # one copy of a large body
+    return (memoryview(raw)[: end - 1], b"," + extra + b"}")
 
 
 def _target(state: ProxyState, view: PrefixView, decision: Decision) -> Target:

@@ -123,7 +123,7 @@ async def open_answer(
     request: web.Request,
     *,
     url: str,
-    body: bytes | None,
+    body: wire.Body | None,
     request_id: str,
     timeouts: Timeouts,
     backend_api_key: str | None,

@@ -13,8 +13,10 @@ What it implements of RFC 9112, as a client to the backends it is configured wit
 
 - Requests: ``METHOD target HTTP/1.1``, the headers given (``Host`` and ``Content-Length``
   computed; credentials in the backend's URL sent as Basic ``Authorization`` unless the request
-  has its own), the body in one write. ``Accept-Encoding: identity`` is asked for, since the
-  relay reads the answer; an encoded answer is relayed as it came, its ``Content-Encoding`` kept.
+  has its own), a short body in the same write as the head, a long one (``JOIN_BELOW``) in
+  writes of its own after it, as it is (``Body``: bytes, or parts never joined into a copy).
+  ``Accept-Encoding: identity`` is asked for, since the relay reads the answer; an encoded
+  answer is relayed as it came, its ``Content-Encoding`` kept.
 - Answers: the status line and header fields (obsolete line folding joined with a space;
   ``1xx`` interim answers skipped), then the body by its framing: none (``204``, ``304``, an
   answer to ``HEAD``), ``Transfer-Encoding`` ending in ``chunked`` (extensions ignored,
@@ -51,13 +53,15 @@ from proxy.wire.errors import (
     WireError,
     WireTimeout,
 )
-from proxy.wire.http1 import Head, request_bytes
+from proxy.wire.http1 import JOIN_BELOW, Body, Head, request_bytes
 from proxy.wire.pool import BackendConnection, BackendPool
 
 __all__ = [
+    "JOIN_BELOW",
     "Answering",
     "BackendConnection",
     "BackendPool",
+    "Body",
     "Head",
     "WireBadAnswer",
     "WireClosed",
@@ -65,6 +69,7 @@ __all__ = [
     "WireConnectTimeout",
     "WireError",
     "WireTimeout",
+    "request_bytes",
     "send",
 ]
 
@@ -75,7 +80,7 @@ async def send(
     url: str,
     *,
     headers: Iterable[tuple[str, str]],
-    body: bytes | None,
+    body: Body | None,
     connect_s: float | None,
     idle_s: float | None,
     head_s: float | None = None,
@@ -89,7 +94,7 @@ async def send(
     the backend dribbles it.
     """
     key, target, host, auth = pool.origin(url)
-    data = request_bytes(method, target, host, headers, body, auth)
+    writes = request_bytes(method, target, host, headers, body, auth)
     head_request = method == "HEAD"
     head_by = pool.loop.time() + head_s if head_s else math.inf
     tries = 2
@@ -116,7 +121,8 @@ async def send(
             transport = conn.transport
             if transport is None or conn.closed:
                 raise WireClosed("the backend closed the connection", before_answer=True)
-            transport.write(data)
+            for data in writes:
+                transport.write(data)
             return answering, await answering.head()
         except WireClosed as exc:
             answering.abort()

@@ -298,17 +298,40 @@ def _line_end(buf: bytes, pos: int, limit: int, what: str) -> int:
     return nl
 
 
+Body = bytes | tuple[bytes | memoryview, ...]
+"""A request body: bytes, or parts sent one after another (a large client body with the proxy's
+fields appended: never joined into a copy of it)."""
+
+JOIN_BELOW: Final = 64 * 1024
+"""A body shorter than this goes in the same write as the head (one write, one segment); a
+longer one is written after it as it is, without a copy that joins it to the head (at 512 KB
+each copy is a fresh allocation's page faults, a quarter of a millisecond)."""
+
+
+def body_length(body: Body | None) -> int:
+    """The bytes ``body`` holds."""
+    if body is None:
+        return 0
+    if isinstance(body, bytes):
+        return len(body)
+    return sum(map(len, body))  # (bytes views of bytes: one item a byte)
+
+
 def request_bytes(
     method: str,
     target: str,
     host: bytes,
     headers: Iterable[tuple[str, str]],
-    body: bytes | None,
+    body: Body | None,
     auth: bytes | None = None,
-) -> bytes:
-    """A request's bytes: its line, ``Host``, the headers given (credentials from the URL,
-    ``auth``, unless they include their own), identity encoding asked for, the length."""
-    parts = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1"), host]
+) -> list[bytes | memoryview]:
+    """A request's writes: its line, ``Host``, the headers given (credentials from the URL,
+    ``auth``, unless they include their own), identity encoding asked for, the length; the body
+    in the same write when it is short (``JOIN_BELOW``), else in writes of its own after it."""
+    parts: list[bytes | memoryview] = [
+        f"{method} {target} HTTP/1.1\r\n".encode("latin-1"),
+        host,
+    ]
     for name, value in headers:
         if auth is not None and name.lower() == "authorization":
             auth = None  # the request's own credentials win over the URL's
@@ -316,9 +339,11 @@ def request_bytes(
     if auth is not None:
         parts.append(auth)
     parts.append(b"Accept-Encoding: identity\r\n")
+    length = body_length(body)
     if body is not None or method in ("POST", "PUT", "PATCH"):
-        parts.append(b"Content-Length: %d\r\n" % len(body or b""))
+        parts.append(b"Content-Length: %d\r\n" % length)
     parts.append(b"\r\n")
-    if body:
-        parts.append(body)
-    return b"".join(parts)
+    pieces = () if not body else (body,) if isinstance(body, bytes) else body
+    if length < JOIN_BELOW:
+        return [b"".join((*parts, *pieces))]
+    return [b"".join(parts), *(p for p in pieces if len(p))]

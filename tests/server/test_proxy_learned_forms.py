@@ -77,6 +77,12 @@ def test_added_fields_are_appended_to_the_client_bytes() -> None:
     original = orjson.loads(raw)
     assert added_fields(raw, original, dict(original)) == raw
     spliced = added_fields(raw, original, {**original, "id_slot": 1})
-    assert spliced == b'{"a": [1, 2],\n "b": "\\u00e9","id_slot":1}'
+    assert isinstance(spliced, tuple)  # the client's bytes, not a copy, then the fields
+    assert isinstance(spliced[0], memoryview) and spliced[0].obj is raw
+    assert b"".join(spliced) == b'{"a": [1, 2],\n "b": "\\u00e9","id_slot":1}'
+    padded = raw + b" \r\n" * 100  # trailing space past the short scan: the same splice
+    assert b"".join(added_fields(padded, original, {**original, "id_slot": 1}) or ()) == (
+        b'{"a": [1, 2],\n "b": "\\u00e9","id_slot":1}'
+    )
     assert added_fields(raw, original, {**original, "a": [1]}) is None
     assert added_fields(raw, original, {"a": original["a"]}) is None

@@ -130,6 +130,54 @@ async def test_the_request_carries_host_length_identity_and_the_headers_given() 
     assert body == b'{"a": 1}'
 
 
+@pytest.mark.parametrize("size", [10, wire.JOIN_BELOW - 100, wire.JOIN_BELOW, 600_000])
+async def test_a_body_in_parts_arrives_whole_with_its_length(size: int) -> None:
+    """A client body with the proxy's fields appended as a second part (``wire.Body``): the
+    backend reads one body, the parts in order, under one ``Content-Length``, short or long."""
+    seen: list[bytes] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.extend(await read_request(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+
+    raw = b'{"messages": "' + b"x" * size + b'"}'
+    body = (memoryview(raw)[:-1], b',"id_slot":1}')
+    async with server(script) as (url, _):
+        pool = BackendPool()
+        answering, _ = await wire.send(
+            pool,
+            "POST",
+            url + "/v1/chat/completions",
+            headers=[],
+            body=body,
+            connect_s=5.0,
+            idle_s=5.0,
+        )
+        assert await answering.read() == b"ok"
+        answering.release()
+        await pool.close()
+    head, received = seen
+    assert received == raw[:-1] + b',"id_slot":1}'
+    assert f"Content-Length: {len(received)}".encode() in head
+
+
+def test_a_long_body_is_written_after_the_head_as_it_is() -> None:
+    """Short: head and body in one write. Long: the head, then each part itself (the client's
+    bytes not copied); empty parts are not written."""
+    short = wire.request_bytes("POST", "/x", b"Host: h\r\n", [], (b"{", memoryview(b"}")))
+    assert short == [
+        b"POST /x HTTP/1.1\r\nHost: h\r\nAccept-Encoding: identity\r\nContent-Length: 2\r\n\r\n{}"
+    ]
+    raw = b"{" + b" " * wire.JOIN_BELOW + b"}"
+    view = memoryview(raw)[:-1]
+    writes = wire.request_bytes("POST", "/x", b"Host: h\r\n", [], (view, b"", b"}"))
+    assert len(writes) == 3 and writes[1] is view and writes[2] == b"}"
+    assert bytes(writes[0]).endswith(b"Content-Length: %d\r\n\r\n" % len(raw))
+    whole = wire.request_bytes("POST", "/x", b"Host: h\r\n", [], raw)
+    assert len(whole) == 2 and whole[1] is raw
+
+
 @pytest.mark.parametrize(
     ("answer", "payload", "reusable"),
     [
@@ -339,7 +387,8 @@ def test_chunked_bodies_decode_the_same_however_the_reads_are_cut(
     """Whatever the reads: cut anywhere, one whole chunk each (a streaming backend's token
     events), or several (the same under load, the last chunk included), and then cut once
     more inside; size lines in either case, with leading zeros, with or without extensions;
-    with or without trailers; bytes after the body make the connection one not to reuse."""
+    with or without trailers; bytes after the body, read with its end or after it, make the
+    connection one not to reuse."""
     frames = [size_form % len(p) + extension + b"\r\n" + p + b"\r\n" for p in parts]
     frames.append(b"0\r\nX-Trailer: t\r\n\r\n" if trailer else b"0\r\n\r\n")
     raw = SSE_HEAD + b"".join(frames) + extra
@@ -371,7 +420,8 @@ def test_chunked_bodies_decode_the_same_however_the_reads_are_cut(
                 pos = cut
         answering.received(raw[pos:])
         assert answering.complete
-        assert answering.keep_alive == (not extra)
+        # Bytes after the body, in its last read or in a read of their own: not reused.
+        assert (answering.keep_alive and not conn.closed) == (not extra)
         assert b"".join(got) == b"".join(parts)
     finally:
         conn.loop.close()
