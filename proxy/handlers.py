@@ -304,6 +304,10 @@ async def _attempt(
             retry=retry,
         )
     finally:
+        # The callback holds the exchange that holds it: dropped here, the exchange (its body,
+        # its rendered prompt) is freed by reference counting once its record is written,
+        # not at the cyclic collector's next pass over an older generation.
+        ex.on_first_token = None
         if forwarded is not None:
             forwarded.set()  # not forwarded after all: the claim is written now
         if admitted:

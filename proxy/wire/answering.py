@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from proxy.wire.errors import WireBadAnswer, WireClosed, WireError, WireTimeout
 from proxy.wire.http1 import AnswerReader, Head
@@ -106,6 +106,7 @@ class Answering:
     def release(self) -> None:
         """The exchange is over: the connection goes back to the pool, or is closed."""
         self._disarm()
+        self._sink = None  # (the relay's method: a cycle through it would keep the answer alive)
         conn = self.conn
         if conn.answering is self:
             conn.answering = None
@@ -124,6 +125,7 @@ class Answering:
         """Give the answer up: the connection is closed at once (the backend sees it); a
         ``wait`` then raises."""
         self._disarm()
+        self._sink = None
         self.reader.keep_alive = False
         if self.conn.answering is self:
             self.conn.answering = None
@@ -134,18 +136,25 @@ class Answering:
 
     async def _wait(self) -> None:
         if self._failure is not None:
-            raise self._failure
+            self._raise_failure()
         waiter = self._waiter = self.loop.create_future()
         try:
             await waiter
         finally:
             self._waiter = None
         if self._failure is not None:
-            raise self._failure
+            self._raise_failure()
+
+    def _raise_failure(self) -> NoReturn:
+        """Raise a copy of the failure: the one kept here never gets the traceback of a raise,
+        whose frames hold this answer (and the request's body, in ``send``'s), which would
+        make a cycle only the cyclic collector frees."""
+        assert self._failure is not None
+        raise _copy(self._failure)  # (not bound to a local: the raise's frame would hold it)
 
     def _fail(self, exc: BaseException) -> None:
         if self._failure is None:
-            self._failure = exc
+            self._failure = exc.with_traceback(None)  # (see ``_raise_failure``)
         self._disarm()
         self.reader.keep_alive = False
         self.conn.close()
@@ -235,3 +244,10 @@ class Answering:
         if reader.done:
             self._disarm()
             self.wake()
+
+
+def _copy(exc: BaseException) -> BaseException:
+    """``exc`` again, without its traceback (``__init__`` not run: its attributes copied)."""
+    clone = type(exc).__new__(type(exc), *exc.args)
+    clone.__dict__.update(exc.__dict__)
+    return clone
