@@ -16,7 +16,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fakes import Knobs, LlamaFake, MakeProxy, SlotLlamaFake, serve
+from fakes import Knobs, LlamaFake, MakeProxy, SlotLlamaFake, VllmFake, fleet_proxy, serve
+
+from tests.store.redis_process import RedisServer
 
 CHAT = {
     "model": "fake-model",
@@ -125,3 +127,64 @@ async def test_no_cycle_keeps_a_request_of_another_api_alive(
         await records.wait(2)
     await asyncio.sleep(0.05)
     assert proxy_garbage() == []
+
+
+@pytest.mark.parametrize("knobs", [Knobs(drop_connections=2), Knobs(reject_status=503)])
+async def test_no_cycle_keeps_a_retried_request_alive(
+    aiohttp_server: Any, make_proxy: MakeProxy, saved_garbage: None, knobs: Knobs
+) -> None:
+    """A replica that drops the connection or answers 503: the request goes to the other one
+    (``NotStarted``, with the failure it carries); nothing left in a cycle."""
+    bad = await serve(LlamaFake(knobs), aiohttp_server)
+    good = await serve(LlamaFake(), aiohttp_server)
+    client, records, _ = await fleet_proxy(make_proxy, bad, good, policy="round-robin")
+    for stream in (False, True):
+        async with client.post("/v1/chat/completions", json={**CHAT, "stream": stream}) as resp:
+            assert resp.status == 200
+            await resp.read()
+    await records.wait(2)
+    assert any(r.retried_from == bad.url for r in records)
+    await asyncio.sleep(0.05)
+    assert proxy_garbage() == []
+
+
+async def test_no_cycle_keeps_a_coalesced_request_alive(
+    aiohttp_server: Any, make_proxy: MakeProxy, saved_garbage: None
+) -> None:
+    """vLLM (no slots: requests sharing a prefix wait for its prefill, ``coalesce``), two at
+    once; nothing left in a cycle."""
+    fake = await serve(VllmFake(Knobs(token_delay_s=0.01)), aiohttp_server)
+    client, records, _ = await make_proxy(fake.url)
+
+    async def one() -> None:
+        async with client.post("/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+            assert resp.status == 200
+            await resp.read()
+
+    await asyncio.gather(one(), one())
+    await records.wait(2)
+    await asyncio.sleep(0.05)
+    assert proxy_garbage() == []
+
+
+@pytest.mark.redis
+async def test_no_cycle_keeps_a_request_alive_with_redis(
+    aiohttp_server: Any, make_proxy: MakeProxy, saved_garbage: None
+) -> None:
+    """The Redis store (lookups, claims, write-behind batches over its own link): nothing left
+    in a cycle."""
+    server = RedisServer()
+    server.start()
+    try:
+        fake = await serve(SlotLlamaFake(slots=2), aiohttp_server)
+        client, records, _ = await make_proxy(fake.url, redis_url=server.url)
+        for stream in (False, True, True):
+            body = {**CHAT, "stream": stream}
+            async with client.post("/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+        await records.wait(3)
+        await asyncio.sleep(0.1)  # the store's batched writes
+        assert proxy_garbage() == []
+    finally:
+        server.kill()
