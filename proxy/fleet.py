@@ -22,10 +22,10 @@ reads it: while the server says it sleeps the replica is left alone (no load rea
 read; its load is zero), and such a replica is *quiet* (``Replica.load_paused``) once a load read
 found nothing running or queued while this proxy had nothing in flight to it: its load is then
 not read again until the proxy sends it a request or it reports work. The scheduler's slot reads
-follow the same rule (``Replica.may_poll_slots``), except that they go on while a request of
-this proxy's runs there. The cost: traffic that reaches a quiet server from elsewhere is seen at
-the first round after this proxy next sends it a request. A server that does not say whether it
-sleeps is always read.
+follow the same rule (``Replica.may_poll_slots``), except that they go on while this proxy
+counts a request in flight to it (from its admission to its end: the server is awake for it).
+The cost: traffic that reaches a quiet server from elsewhere is seen at the first round after
+this proxy next sends it a request. A server that does not say whether it sleeps is always read.
 
 Routing. ``route`` turns what the prefix index said about a request (matched blocks per replica,
 shared in-flight counts, the traffic-shared depth) plus health, weights and loads into
@@ -91,8 +91,9 @@ class Replica:
     @property
     def may_poll_slots(self) -> bool:
         """Whether a background slot read leaves the server as it is (module docstring): not
-        while it sleeps; while it is quiet only when this proxy has a request running there
-        (the read then wakes nothing, and the slot of a request the server placed is learned)."""
+        while it sleeps; while it is quiet only when this proxy counts a request in flight to
+        it (the read then keeps nothing awake that the request does not, and the slot of a
+        request the server placed is learned while it runs)."""
         return not self.asleep and (self.in_flight > 0 or not self.load_paused)
 
     @property

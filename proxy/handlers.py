@@ -404,9 +404,16 @@ async def _retry(
     if decision is None:
         if failed.answer is not None:
             return await send_answer(request, ex, failed.answer)
-        if failed.failure is not None:
-            raise failed.failure
-        raise BackendUnavailable(failed.reason)
+        failure = failed.failure or BackendUnavailable(failed.reason)
+        # Raised while ``failed`` is handled, the failure gets it as its context, and the raise's
+        # traceback this frame: neither may lead back to the failure (``failed`` held it, as its
+        # cause too), or the request's objects wait for the cyclic collector.
+        failed.failure = failed.__cause__ = None
+        del failed
+        try:
+            raise failure
+        finally:
+            del failure
     again = _target(state, view, decision)
     log.info("request_retried", backend=again.replica.url, failed=first.url, why=failed.reason)
     target.replica, target.reason, target.load = again.replica, RETRY_REASON, again.load

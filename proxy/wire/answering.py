@@ -249,5 +249,6 @@ class Answering:
 def _copy(exc: BaseException) -> BaseException:
     """``exc`` again, without its traceback (``__init__`` not run: its attributes copied)."""
     clone = type(exc).__new__(type(exc), *exc.args)
+    clone.args = exc.args  # (a class whose own ``__init__`` sets them: ``__new__`` may not)
     clone.__dict__.update(exc.__dict__)
     return clone

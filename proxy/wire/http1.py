@@ -298,7 +298,7 @@ def _line_end(buf: bytes, pos: int, limit: int, what: str) -> int:
     return nl
 
 
-Body = bytes | tuple[bytes | memoryview, ...]
+Body = bytes | bytearray | memoryview | tuple[bytes | bytearray | memoryview, ...]
 """A request body: bytes, or parts sent one after another (a large client body with the proxy's
 fields appended: never joined into a copy of it)."""
 
@@ -312,9 +312,9 @@ def body_length(body: Body | None) -> int:
     """The bytes ``body`` holds."""
     if body is None:
         return 0
-    if isinstance(body, bytes):
-        return len(body)
-    return sum(map(len, body))  # (bytes views of bytes: one item a byte)
+    if isinstance(body, bytes | bytearray | memoryview):
+        return memoryview(body).nbytes
+    return sum(memoryview(part).nbytes for part in body)
 
 
 def request_bytes(
@@ -324,11 +324,11 @@ def request_bytes(
     headers: Iterable[tuple[str, str]],
     body: Body | None,
     auth: bytes | None = None,
-) -> list[bytes | memoryview]:
+) -> list[bytes | bytearray | memoryview]:
     """A request's writes: its line, ``Host``, the headers given (credentials from the URL,
     ``auth``, unless they include their own), identity encoding asked for, the length; the body
     in the same write when it is short (``JOIN_BELOW``), else in writes of its own after it."""
-    parts: list[bytes | memoryview] = [
+    parts: list[bytes | bytearray | memoryview] = [
         f"{method} {target} HTTP/1.1\r\n".encode("latin-1"),
         host,
     ]
@@ -343,7 +343,9 @@ def request_bytes(
     if body is not None or method in ("POST", "PUT", "PATCH"):
         parts.append(b"Content-Length: %d\r\n" % length)
     parts.append(b"\r\n")
-    pieces = () if not body else (body,) if isinstance(body, bytes) else body
+    pieces: tuple[bytes | bytearray | memoryview, ...] = ()
+    if body is not None and length:
+        pieces = (body,) if isinstance(body, bytes | bytearray | memoryview) else body
     if length < JOIN_BELOW:
         return [b"".join((*parts, *pieces))]
-    return [b"".join(parts), *(p for p in pieces if len(p))]
+    return [b"".join(parts), *(p for p in pieces if memoryview(p).nbytes)]

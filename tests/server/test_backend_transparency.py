@@ -113,7 +113,8 @@ async def test_a_quiet_backend_is_not_polled(aiohttp_server: Any, make_proxy: Ma
     """Load is read while there is some to see; once idle with nothing in flight, no more."""
     fake = await serve(SleepyLlama(), aiohttp_server)
     fake.sleeping = False
-    _, _, app = await fleet_proxy(make_proxy, fake)
+    # (the scheduler's own reader parked: only the rounds read, so the counts below are exact)
+    _, _, app = await fleet_proxy(make_proxy, fake, scheduling=SchedulingConfig(slots_poll_s=3600))
     fleet = app[STATE].fleet
     replica = fleet[fake.url]
     reads = fake.slots_reads  # the start-up round's

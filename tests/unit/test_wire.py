@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from proxy import wire
 from proxy.wire import Answering, BackendPool, Head
+from proxy.wire.answering import _copy
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -176,6 +177,38 @@ def test_a_long_body_is_written_after_the_head_as_it_is() -> None:
     assert bytes(writes[0]).endswith(b"Content-Length: %d\r\n\r\n" % len(raw))
     whole = wire.request_bytes("POST", "/x", b"Host: h\r\n", [], raw)
     assert len(whole) == 2 and whole[1] is raw
+    mutable = bytearray(raw)  # a buffer of any kind is one part, its length its bytes
+    assert wire.request_bytes("POST", "/x", b"Host: h\r\n", [], mutable)[1] is mutable
+    wide = memoryview(bytes(80_000)).cast("Q")  # 10,000 items of 8 bytes
+    head = wire.request_bytes("POST", "/x", b"Host: h\r\n", [], wide)[0]
+    assert b"Content-Length: 80000\r\n" in bytes(head)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        wire.WireError("e"),
+        wire.WireClosed("closed", before_answer=True),
+        wire.WireBadAnswer("bad"),
+        wire.WireTimeout("slow"),
+        wire.WireTimeout(110, "timed out"),
+        wire.WireConnectTimeout("connect"),
+    ],
+    ids=repr,
+)
+def test_a_failure_is_raised_as_a_copy_without_its_traceback(failure: BaseException) -> None:
+    """What ``Answering`` raises is the failure it keeps, copied: same type, message and
+    attributes, and no traceback on the kept one (the raise's frames hold the answer)."""
+    try:
+        raise failure
+    except BaseException as exc:  # the kept one had been raised once: its traceback dropped
+        kept = exc.with_traceback(None)
+    clone = _copy(kept)
+    assert type(clone) is type(kept) and clone is not kept
+    assert (clone.args, str(clone), clone.__dict__) == (kept.args, str(kept), kept.__dict__)
+    if isinstance(kept, OSError):
+        assert (clone.errno, clone.strerror) == (kept.errno, kept.strerror)
+    assert kept.__traceback__ is None and clone.__traceback__ is None
 
 
 @pytest.mark.parametrize(
