@@ -15,11 +15,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from proxy.backends import Dialect
 from proxy.fingerprint import hex64
 from proxy.hosted import PROMPT_CACHE_KEY
 from proxy.prefixes import logged_segments, prefix_label, settled
 from proxy.records import Observation, RecordBuilder, RequestRecord, iso_utc
+from proxy.wire import Body
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
@@ -33,7 +36,6 @@ if TYPE_CHECKING:
     from proxy.scheduling import Ticket
     from proxy.state import ProxyState
     from proxy.tracing import TraceContext
-    from proxy.wire import Body
 
 
 @dataclass(slots=True)
@@ -58,6 +60,50 @@ class Outgoing:
     sent: dict[str, Any] | None = None
     stripped: tuple[str, ...] = ()
     """Hosted-only fields removed for the replica's dialect (``proxy.hosted``)."""
+
+    def encode(self, body: dict[str, Any], *, edited: bool) -> Body:
+        """What goes upstream for ``body`` (this request as the replica's dialect and the
+        scheduler left it; ``edited``: they changed it): the client's bytes when nothing
+        changed them, those bytes and the fields added when fields were only added
+        (``added_fields``), else ``body`` serialized."""
+        if not edited:
+            return self.raw
+        spliced = None if self.changed else added_fields(self.raw, self.body, body)
+        return orjson.dumps(body) if spliced is None else spliced
+
+
+def added_fields(raw: bytes, original: dict[str, Any], body: dict[str, Any]) -> Body | None:
+    """The client's bytes with the top-level fields ``body`` adds to ``original`` appended
+    (a slot id, a usage request), or None when ``body`` also drops or replaces a field.
+
+    A request no rule rewrote then reaches the backend as the client wrote it, plus only what
+    the proxy adds; re-serializing would change its spacing and escapes. The fields added come
+    as a second part after the client's bytes (``proxy.wire.Body``), so a large body is never
+    copied to append them.
+    """
+    if not original or any(
+        key not in body or body[key] is not value for key, value in original.items()
+    ):
+        return None
+    # Where the object closes: found in the last bytes (``rstrip`` of the whole would copy
+    # it), or, past a long run of trailing space, in the whole after all.
+    tail = raw[-64:].rstrip(_JSON_SPACE)
+    end = len(raw) - 64 + len(tail) if len(raw) > 64 else len(tail)
+    if not tail and len(raw) > 64:
+        end = len(raw.rstrip(_JSON_SPACE))
+    if raw[end - 1 : end] != b"}":
+        return None
+    extra = b",".join(
+        orjson.dumps(key) + b":" + orjson.dumps(value)
+        for key, value in body.items()
+        if key not in original
+    )
+    if not extra:
+        return raw
+    return (memoryview(raw)[: end - 1], b"," + extra + b"}")
+
+
+_JSON_SPACE = b" \t\r\n"
 
 
 @dataclass(slots=True)

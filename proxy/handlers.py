@@ -26,7 +26,6 @@ import functools
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from proxy.backends import CHAT, COMPLETIONS, MESSAGES, NATIVE_COMPLETION, RESPONSES
@@ -49,7 +48,6 @@ from proxy.state import REQUEST_ID, STATE, T_START, TENANT, ProxyState, proxy_st
 from proxy.store import DEFAULT_NAMESPACE
 from proxy.stream_relay import CLIENT_CLOSED
 from proxy.validation import parse_object, read_body, validate_inference
-from proxy.wire import Body
 
 log = get_logger()
 
@@ -64,38 +62,6 @@ INFERENCE_PATHS = {
     "/responses": RESPONSES,
     "/v1/messages": MESSAGES,
 }
-
-
-_JSON_SPACE = frozenset(b" \t\r\n")
-_CLOSE = ord("}")
-
-
-def added_fields(raw: bytes, original: dict[str, Any], body: dict[str, Any]) -> Body | None:
-    """The client's bytes with the top-level fields ``body`` adds to ``original`` appended
-    (a slot id, a usage request), or None when ``body`` also drops or replaces a field.
-
-    A request no rule rewrote then reaches the backend as the client wrote it, plus only what
-    the proxy adds; re-serializing would change its spacing and escapes. The fields added come
-    as a second part after the client's bytes (``proxy.wire.Body``), so a large body is never
-    copied to append them.
-    """
-    if any(key not in body or body[key] is not value for key, value in original.items()):
-        return None
-    end, limit = len(raw), max(len(raw) - 64, 0)
-    while end > limit and raw[end - 1] in _JSON_SPACE:  # (``rstrip`` would copy the body)
-        end -= 1
-    if end == limit and limit:  # a long run of trailing space: counted by a copy after all
-        end = len(raw.rstrip(b" \t\r\n"))
-    if not end or raw[end - 1] != _CLOSE or not original:
-        return None
-    extra = b",".join(
-        orjson.dumps(key) + b":" + orjson.dumps(value)
-        for key, value in body.items()
-        if key not in original
-    )
-    if not extra:
-        return raw
-    return (memoryview(raw)[: end - 1], b"," + extra + b"}")
 
 
 def _target(state: ProxyState, view: PrefixView, decision: Decision) -> Target:
@@ -290,10 +256,7 @@ async def _attempt(
         admitted = True
         ex.on_first_token = _first_token(state, ex)
         edited = edited or ticket.body_changed
-        ex.upstream_body = out.raw
-        if edited or ex.strip_usage:
-            spliced = None if out.changed else added_fields(out.raw, out.body, body)
-            ex.upstream_body = orjson.dumps(body) if spliced is None else spliced
+        ex.upstream_body = out.encode(body, edited=edited or ex.strip_usage)
         out.sent = body
         return await relay_inference(
             request,

@@ -308,15 +308,6 @@ longer one is written after it as it is, without a copy that joins it to the hea
 each copy is a fresh allocation's page faults, a quarter of a millisecond)."""
 
 
-def body_length(body: Body | None) -> int:
-    """The bytes ``body`` holds."""
-    if body is None:
-        return 0
-    if isinstance(body, bytes | bytearray | memoryview):
-        return memoryview(body).nbytes
-    return sum(memoryview(part).nbytes for part in body)
-
-
 def request_bytes(
     method: str,
     target: str,
@@ -339,13 +330,17 @@ def request_bytes(
     if auth is not None:
         parts.append(auth)
     parts.append(b"Accept-Encoding: identity\r\n")
-    length = body_length(body)
+    pieces = [p for p in _pieces(body) if memoryview(p).nbytes]
+    length = sum(memoryview(p).nbytes for p in pieces)
     if body is not None or method in ("POST", "PUT", "PATCH"):
         parts.append(b"Content-Length: %d\r\n" % length)
     parts.append(b"\r\n")
-    pieces: tuple[bytes | bytearray | memoryview, ...] = ()
-    if body is not None and length:
-        pieces = (body,) if isinstance(body, bytes | bytearray | memoryview) else body
     if length < JOIN_BELOW:
         return [b"".join((*parts, *pieces))]
-    return [b"".join(parts), *(p for p in pieces if memoryview(p).nbytes)]
+    return [b"".join(parts), *pieces]
+
+
+def _pieces(body: Body | None) -> tuple[bytes | bytearray | memoryview, ...]:
+    if body is None:
+        return ()
+    return (body,) if isinstance(body, bytes | bytearray | memoryview) else body

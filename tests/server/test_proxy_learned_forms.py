@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 from fakes import LlamaFake, MakeProxy
 
-from proxy.handlers import added_fields
+from proxy.exchange import added_fields
 
 # Keys unsorted, tools out of name order, blanks before line ends: everything the fixed rules
 # would rewrite, sent the same way every time.

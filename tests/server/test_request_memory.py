@@ -16,7 +16,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fakes import Knobs, LlamaFake, MakeProxy, SlotLlamaFake, VllmFake, fleet_proxy, serve
+from fakes import (
+    Knobs,
+    LlamaFake,
+    MakeProxy,
+    RecordLog,
+    SlotLlamaFake,
+    VllmFake,
+    fleet_proxy,
+    serve,
+)
 
 from proxy.state import STATE
 from tests.store.redis_process import RedisServer
@@ -49,8 +58,12 @@ def saved_garbage() -> Iterator[None]:
             gc.enable()
 
 
-def proxy_garbage() -> list[str]:
-    """The proxy's objects the collector found in cycles since the fixture started."""
+async def proxy_garbage(records: RecordLog, requests: int, settle_s: float = 0.05) -> list[str]:
+    """The proxy's objects the collector found in cycles since the fixture started, once
+    ``requests`` records are written and their background work (``settle_s``) has run."""
+    if requests:
+        await records.wait(requests)
+    await asyncio.sleep(settle_s)
     gc.collect()
     return sorted(
         {type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("proxy.")}
@@ -83,9 +96,7 @@ async def test_no_cycle_keeps_a_request_alive(
     for _ in range(3):
         async with client.post("/v1/chat/completions", json=body) as resp:
             await resp.read()
-    await records.wait(3)
-    await asyncio.sleep(0.05)  # the learners' background writes
-    assert proxy_garbage() == []
+    assert await proxy_garbage(records, 3) == []
 
 
 async def test_no_cycle_keeps_a_request_the_client_left_alive(
@@ -98,9 +109,7 @@ async def test_no_cycle_keeps_a_request_the_client_left_alive(
         async with client.post("/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
             await resp.content.readany()  # the first event, then the connection is dropped
             resp.close()
-    await records.wait(2)
-    await asyncio.sleep(0.05)
-    assert proxy_garbage() == []
+    assert await proxy_garbage(records, 2) == []
 
 
 @pytest.mark.parametrize(
@@ -130,10 +139,7 @@ async def test_no_cycle_keeps_a_request_of_another_api_alive(
         async with client.request(method, path, json=body) as resp:
             assert resp.status == 200, await resp.text()
             await resp.read()
-    if body is not None:
-        await records.wait(2)
-    await asyncio.sleep(0.05)
-    assert proxy_garbage() == []
+    assert await proxy_garbage(records, 2 if body is not None else 0) == []
 
 
 @pytest.mark.parametrize("knobs", [Knobs(drop_connections=2), Knobs(reject_status=503)])
@@ -151,8 +157,7 @@ async def test_no_cycle_keeps_a_retried_request_alive(
             await resp.read()
     await records.wait(2)
     assert any(r.retried_from == bad.url for r in records)
-    await asyncio.sleep(0.05)
-    assert proxy_garbage() == []
+    assert await proxy_garbage(records, 2) == []
 
 
 async def test_no_cycle_keeps_a_coalesced_request_alive(
@@ -169,9 +174,7 @@ async def test_no_cycle_keeps_a_coalesced_request_alive(
             await resp.read()
 
     await asyncio.gather(one(), one())
-    await records.wait(2)
-    await asyncio.sleep(0.05)
-    assert proxy_garbage() == []
+    assert await proxy_garbage(records, 2) == []
 
 
 @pytest.mark.redis
@@ -190,9 +193,7 @@ async def test_no_cycle_keeps_a_request_alive_with_redis(
             async with client.post("/v1/chat/completions", json=body) as resp:
                 assert resp.status == 200
                 await resp.read()
-        await records.wait(3)
-        await asyncio.sleep(0.1)  # the store's batched writes
-        assert proxy_garbage() == []
+        assert await proxy_garbage(records, 3, settle_s=0.1) == []  # (the store's batches)
     finally:
         server.kill()
 
@@ -212,6 +213,4 @@ async def test_no_cycle_keeps_a_request_no_replica_could_take_alive(
             statuses.append(resp.status)
             await resp.read()
     assert 502 in statuses
-    await records.wait(2)
-    await asyncio.sleep(0.05)
-    assert proxy_garbage() == []
+    assert await proxy_garbage(records, 2) == []
