@@ -115,6 +115,8 @@ class Pick:
 _TOKENS = attrgetter("tokens")
 
 MAX_RAM_ENTRIES = 64  # the model scans them for every idle slot on every placement
+SHORT_BLOCKS = 4
+"""An entry of fewer blocks may be kept a quarter by a prompt it parts from in the first block."""
 
 
 def contains(outer: CachedPrompt, inner: CachedPrompt) -> bool:
@@ -144,7 +146,35 @@ class RamCache:
 
     def __init__(self, rules: ServerRules) -> None:
         self.entries: list[CachedPrompt] = []
+        """Oldest first. Read freely; changed only by ``save``, ``trim`` and ``take``, which
+        keep the counts below true."""
         self.rules = rules
+        self._starts: dict[int, int] = {}
+        """Entries by their first block hash: how many start with it."""
+        self._short = 0
+        """Entries of fewer than ``SHORT_BLOCKS`` blocks (none included)."""
+        self._bare = 0
+        """Entries without blocks."""
+
+    def _counted(self, state: CachedPrompt, step: int) -> None:
+        hashes = state.hashes
+        if not hashes:
+            self._bare += step
+        else:
+            first = hashes[0]
+            left = self._starts.get(first, 0) + step
+            if left:
+                self._starts[first] = left
+            else:
+                del self._starts[first]
+        if len(hashes) < SHORT_BLOCKS:
+            self._short += step
+
+    def take(self, state: CachedPrompt) -> None:
+        """``state`` leaves the cache (loaded into a slot: rule 5), if it is there."""
+        if state in self.entries:
+            self.entries.remove(state)
+            self._counted(state, -1)
 
     def tokens(self) -> float:
         """What the entries hold (``CachedPrompt.tokens`` summed, without a generator's frame:
@@ -165,6 +195,8 @@ class RamCache:
         if not state.hashes:
             return self.entries
         first = state.hashes[0]
+        if not self._bare and first not in self._starts:
+            return []  # (counted: no scan for the prompt no entry starts like)
         return [e for e in self.entries if not e.hashes or e.hashes[0] == first]
 
     def save(self, state: CachedPrompt | None) -> None:
@@ -177,32 +209,39 @@ class RamCache:
         held = [e for e in near if contains(state, e)]
         if held:
             self.entries = [e for e in self.entries if e not in held]
+            for e in held:
+                self._counted(e, -1)
         self.entries.append(state)
+        self._counted(state, +1)
         self.trim()
 
     def trim(self) -> None:
         """Oldest out past the size limit, and past ``MAX_RAM_ENTRIES`` (the model's own bound:
         each entry keeps a fingerprint, and every placement scans them)."""
         while len(self.entries) > MAX_RAM_ENTRIES:
-            self.entries.pop(0)
+            self._counted(self.entries.pop(0), -1)
         limit = self.rules.ram_tokens
         if math.isinf(limit):
             return
         total = self.tokens()
         while self.entries and total > limit:
-            total -= self.entries.pop(0).tokens
+            oldest = self.entries.pop(0)
+            self._counted(oldest, -1)
+            total -= oldest.tokens
 
     def best(
         self, current: CachedPrompt | None, query: PromptQuery, counter: TokenCounter
     ) -> CachedPrompt | None:
         """``load``: the entry to move into a slot holding ``current``, if any beats it."""
+        first = query.hashes[0] if query.hashes else None
+        if first is not None and not self._short and first not in self._starts:
+            return None  # every entry would be skipped below (counted, not scanned)
         base = counter.lcp(current, query)
         keep_best = base / current.tokens if current is not None and current.tokens else -1.0
         sim_best = base / max(query.prompt_tokens, 1.0)
         chosen = None
-        first = query.hashes[0] if query.hashes else None
         for entry in self.entries:
-            if first is not None and len(entry.hashes) >= 4 and entry.hashes[0] != first:
+            if first is not None and len(entry.hashes) >= SHORT_BLOCKS and entry.hashes[0] != first:
                 continue  # shares under one block of four or more: kept below a quarter
             lcp = counter.lcp(entry, query)
             keep = lcp / max(entry.tokens, 1.0)
@@ -287,8 +326,7 @@ def launch(
     if chosen.update:
         ram.save(held)
         if chosen.loaded is not None:
-            if chosen.loaded in ram.entries:
-                ram.entries.remove(chosen.loaded)
+            ram.take(chosen.loaded)
             held = chosen.loaded
     if rules.idle_slots and rules.cache_ram:
         for i, view in enumerate(slots):

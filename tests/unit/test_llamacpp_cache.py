@@ -417,6 +417,75 @@ def test_ram_save_compares_only_what_can_hold_or_be_held(
             assert ram.entries == expected
 
 
+def _best_by_scan(ram: RamCache, current: CachedPrompt | None, q: PromptQuery) -> Any:
+    """``RamCache.best`` as a scan over every entry (what the counts spare)."""
+    counter = TokenCounter()
+    base = counter.lcp(current, q)
+    keep_best = base / current.tokens if current is not None and current.tokens else -1.0
+    sim_best, chosen = base / max(q.prompt_tokens, 1.0), None
+    first = q.hashes[0] if q.hashes else None
+    for entry in ram.entries:
+        if first is not None and len(entry.hashes) >= 4 and entry.hashes[0] != first:
+            continue
+        lcp = counter.lcp(entry, q)
+        keep, sim = lcp / max(entry.tokens, 1.0), lcp / max(q.prompt_tokens, 1.0)
+        if keep >= 0.25 and keep_best < keep and sim_best < sim:
+            keep_best, sim_best, chosen = keep, sim, entry
+    return chosen
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["save", "take", "best", "holds"]),
+            st.integers(1, 4),  # the first block
+            st.integers(0, 6),  # blocks (0: a prompt without any)
+            st.integers(0, 2),  # the tail's prefix
+            st.booleans(),  # a rendered prompt (segments: matched inside the first block)
+        ),
+        max_size=60,
+    ),
+    st.sampled_from([float("inf"), 600.0]),
+)
+def test_the_ram_caches_counts_answer_as_a_scan_of_its_entries(
+    steps: list[tuple[str, int, int, int, bool]], ram_tokens: float
+) -> None:
+    """``best`` and ``holds`` answer from the counts of first blocks when no entry can match;
+    through saves, loads (``take``), the entry limit and the token limit, the counts stay those
+    of the entries, and the answers those of a scan. Rendered prompts share a system message
+    shorter than a block: an entry of few blocks parting in the first one is still a match."""
+    ram = RamCache(ServerRules(ram_tokens=ram_tokens))
+    seen: list[CachedPrompt] = []
+    for op, prefix, n, tail, rendered in steps:
+        if rendered:
+            messages = [{"role": "system", "content": "Be brief."}]
+            messages.append({"role": "user", "content": f"{prefix}{tail} " * (4 + 12 * n)})
+            body = {"model": "m", "messages": messages}
+            fp = fingerprint("/v1/chat/completions", body, block_bytes=64)
+            s = CachedPrompt(hashes=fp.block_hashes, prompt_tokens=fp.total_bytes / 4.0, fp=fp)
+        else:
+            s = state(chain(prefix, n, tail, 1 if tail else 0))
+        if op == "save":
+            ram.save(s)
+            seen.append(s)
+        elif op == "take" and seen:
+            ram.take(seen[n % len(seen)])
+        elif op == "best":
+            current = seen[n % len(seen)] if seen and tail else None  # (None: an empty slot)
+            q = PromptQuery(s.hashes, s.prompt_tokens + 10, 16.0, s.fp)
+            assert ram.best(current, q, TokenCounter()) is _best_by_scan(ram, current, q)
+        elif op == "holds":
+            assert ram.holds(s) == (s in ram.entries or any(contains(e, s) for e in ram.entries))
+        starts: dict[int, int] = {}
+        for e in ram.entries:
+            if e.hashes:
+                starts[e.hashes[0]] = starts.get(e.hashes[0], 0) + 1
+        assert ram._starts == starts
+        assert ram._short == sum(len(e.hashes) < 4 for e in ram.entries)
+        assert ram._bare == sum(not e.hashes for e in ram.entries)
+
+
 def _placed(
     table: SlotTable, hashes: tuple[int, ...], now: float, *, later: bool
 ) -> tuple[SlotTask, SlotChoice]:
