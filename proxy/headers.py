@@ -23,6 +23,8 @@ HOP_BY_HOP = frozenset(
     )
 )
 _RECOMPUTED = frozenset(h.lower() for h in (hdrs.CONTENT_LENGTH, hdrs.HOST))
+# Never sent upstream as the client sent them (the relay inspects SSE bytes: identity asked).
+_UPSTREAM_SKIP = HOP_BY_HOP | _RECOMPUTED | {hdrs.ACCEPT_ENCODING.lower()}
 # aiohttp's client transparently decompresses, so the encoding header must not be relayed.
 _RESPONSE_DROP = HOP_BY_HOP | {hdrs.CONTENT_LENGTH.lower(), hdrs.CONTENT_ENCODING.lower()}
 _REFRAMED_DROP = HOP_BY_HOP | {hdrs.CONTENT_LENGTH.lower()}
@@ -45,8 +47,10 @@ def upstream_request_headers(
     When the proxy holds the backend's key, the client's Authorization (the key it used for the
     proxy) is replaced so the backend key never leaves the server side.
     """
-    skip = set(HOP_BY_HOP | _RECOMPUTED | _connection_tokens(incoming)) | {d.lower() for d in drop}
-    skip.add(hdrs.ACCEPT_ENCODING.lower())  # the relay inspects SSE bytes: ask for identity
+    skip = _UPSTREAM_SKIP
+    named = _connection_tokens(incoming) if hdrs.CONNECTION in incoming else None
+    if named or drop:
+        skip = skip | (named or set()) | {d.lower() for d in drop}
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in incoming.items():
         if key.lower() not in skip:
