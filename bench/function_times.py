@@ -175,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         run += ["--against", str(Path(sys.executable).parent / "prefixgate")]
         run += ["--concurrency", str(args.concurrency), "--seconds", str(args.seconds)]
         run += ["--prompt-bytes", str(args.prompt_bytes)]
-        print(subprocess.run(run, check=True, capture_output=True, text=True).stdout.strip())
+        done = subprocess.run(run, capture_output=True, text=True)
+        if done.returncode:  # (a name that does not resolve fails in the proxy's start)
+            sys.exit(f"the timed run failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+        print(done.stdout.strip())
         totals: Totals = json.loads(out.read_text())
     per = max(totals.get(per_spec, [1.0])[0], 1.0)
     print(f"per request ({int(per)} requests, the calls of {per_spec}):")

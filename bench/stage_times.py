@@ -19,7 +19,7 @@ requests after the first 50:
     pre_forward body read to upstream call (what ``proxy_overhead_ms`` counts, with inspect)
 
 Run: ``python bench/stage_times.py [--concurrency 1] [--requests 400] [--prompt-bytes 8192]
-[--redis] [--extra "FLAGS"]``.
+[--tokens 16] [--itl-ms 2] [--redis] [--extra "FLAGS"]``.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def measure(args: argparse.Namespace) -> int:
     import procs
     from bench_overhead import salted_bodies
 
-    bodies = salted_bodies(args.prompt_bytes, 16)
+    bodies = salted_bodies(args.prompt_bytes, args.tokens)
     with tempfile.TemporaryDirectory(prefix="pg-stages-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
         out = workdir / "stages.txt"
@@ -113,7 +113,9 @@ def measure(args: argparse.Namespace) -> int:
             f'#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} --serve {out} "$@"\n'
         )
         wrapper.chmod(0o755)
-        fake = stack.enter_context(procs.start_fake(workdir, slots=args.fake_slots))
+        fake = stack.enter_context(
+            procs.start_fake(workdir, tokens=args.tokens, itl_ms=args.itl_ms, slots=args.fake_slots)
+        )
         redis_url = stack.enter_context(procs.start_redis(workdir)).url if args.redis else None
         proxy = stack.enter_context(
             procs.start_prefixgate(
@@ -153,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-bytes", type=int, default=8192)
     parser.add_argument("--redis", action="store_true")
     parser.add_argument("--fake-slots", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=16, help="the fake's answer length")
+    parser.add_argument("--itl-ms", type=float, default=2.0, help="the fake's gap between tokens")
     parser.add_argument("--extra", default="", help="more `prefixgate serve` flags")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     return measure(parser.parse_args(argv))
