@@ -265,7 +265,9 @@ class SlotTable:
         restores from RAM). ``useful_tokens``: a match shorter than this is not called a hit.
         """
         p, t = rates.prefill_s, rates.tpot_s
-        prefilling = self._prefilling(now, rates)
+        # The requests prefilling now, once a candidate's end is weighed (not for a request
+        # that finds every slot busy and none holding its prefix: the server places it).
+        prefilling: Prefills | None = None
         decode_s = req.decode_tokens * t
         best: tuple[tuple[float, ...], SlotChoice] | None = None
         holder_seen = False
@@ -278,8 +280,11 @@ class SlotTable:
         quick_reject = useful_tokens > 2.0 * req.tokens_per_block
 
         def idle_cost(uncached: float) -> tuple[float, float]:
+            nonlocal prefilling
             known = idle_costs.get(uncached)
             if known is None:
+                if prefilling is None:
+                    prefilling = self._prefilling(now, rates)
                 shared, imposed = prefilling.shared(uncached), prefilling.imposed(uncached)
                 known = idle_costs[uncached] = (shared, imposed * p)
             return known
@@ -323,6 +328,8 @@ class SlotTable:
                     continue  # waiting is worth it only for a prefix; the server places the rest
                 holder_seen = True
                 uncached = req.prompt_tokens - matched
+                if prefilling is None:
+                    prefilling = self._prefilling(now, rates)
                 end = self.free_at(slot, now, rates, prefilling) + uncached * p + decode_s
                 key = (end, -matched, 1.0 if slot.content else 0.0, slot.last_used, float(slot.id))
                 if best is None or key < best[0]:
@@ -548,18 +555,16 @@ class SlotTable:
         if outcome is None or outcome.slot != slot.id:
             # A request that waited unpinned for any slot takes the server's unpinned path (its
             # LRU choice saves and restores); the slot that freed is the one it gets.
-            only = [
-                v if i == slot.id else SlotView(v.state, True, v.last_used)
-                for i, v in enumerate(views)
-            ]
-            outcome = pick(
-                only if not task.pinned else views,
-                self.ram,
-                query,
-                self.counter,
-                pinned=slot.id if task.pinned else None,
-                rules=self.rules,
-            )
+            if task.pinned:
+                outcome = pick(
+                    views, self.ram, query, self.counter, pinned=slot.id, rules=self.rules
+                )
+            else:  # the only idle slot, as the server sees it then
+                only = [
+                    v if i == slot.id else SlotView(v.state, True, v.last_used)
+                    for i, v in enumerate(views)
+                ]
+                outcome = pick(only, self.ram, query, self.counter, pinned=None, rules=self.rules)
             if outcome.slot != slot.id:
                 outcome = pick(
                     views, self.ram, query, self.counter, pinned=slot.id, rules=self.rules
