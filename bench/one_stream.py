@@ -14,6 +14,10 @@ A prefixgate is ``this`` (this installation's) or the path of another installati
 "$@"``). Every target runs in front of one fake backend (``--tokens`` tokens ``--itl-ms``
 apart, the overhead benchmark's 8 KB bodies).
 
+A target may name serve flags after a colon and the Redis store with ``+redis`` (one
+redis-server is started for the run): ``this+redis``, ``"this:--slot-scheduling off"``,
+``"PATH:--no-canonicalize"``: what one feature costs, beside the defaults, in the same rounds.
+
 Run: ``python bench/one_stream.py [this] [PATH ...] [--rounds 20] [--requests 100]
 [--tokens 4] [--itl-ms 5] [--seed 7]``.
 """
@@ -36,6 +40,7 @@ import procs
 from bench_overhead import salted_bodies
 
 DIRECT, RELAY = "direct", "relay"
+REDIS = "+redis"
 
 
 def ttft_p50(url: str, bodies: loadgen.BodyFactory, requests: int) -> float:
@@ -65,10 +70,22 @@ def main(argv: list[str] | None = None) -> int:
             DIRECT: fake.url,
             RELAY: stack.enter_context(procs.start_bare_relay(workdir, fake.url)).url,
         }
-        for i, name in enumerate(args.prefixgates):
-            command = None if name == "this" else [name]
-            proxy = procs.start_prefixgate(workdir, fake.url, name=f"pg{i}", command=command)
-            urls[name] = stack.enter_context(proxy).url
+        redis_url: str | None = None
+        for i, spec in enumerate(args.prefixgates):
+            base, _, flags = spec.partition(":")
+            with_redis = base.endswith(REDIS)
+            base = base.removesuffix(REDIS)
+            if with_redis and redis_url is None:
+                redis_url = stack.enter_context(procs.start_redis(workdir)).url
+            proxy = procs.start_prefixgate(
+                workdir,
+                fake.url,
+                name=f"pg{i}",
+                command=None if base == "this" else [base],
+                redis_url=redis_url if with_redis else None,
+                extra=flags.split(),
+            )
+            urls[spec] = stack.enter_context(proxy).url
         for url in urls.values():  # warm up
             ttft_p50(url, bodies, 50)
         order = list(urls)
