@@ -14,9 +14,10 @@ A prefixgate is ``this`` (this installation's) or the path of another installati
 "$@"``). Every target runs in front of one fake backend (``--tokens`` tokens ``--itl-ms``
 apart, the overhead benchmark's 8 KB bodies).
 
-A target may name serve flags after a colon and the Redis store with ``+redis`` (one
-redis-server is started for the run): ``this+redis``, ``"this:--slot-scheduling off"``,
-``"PATH:--no-canonicalize"``: what one feature costs, beside the defaults, in the same rounds.
+A target may name serve flags after the first colon (split on spaces) and the Redis store
+with ``+redis`` before it (a redis-server of its own): ``this+redis``,
+``"this:--slot-scheduling off"``, ``"PATH:--no-canonicalize"``: what one feature costs, beside
+the defaults, in the same rounds.
 
 Run: ``python bench/one_stream.py [this] [PATH ...] [--rounds 20] [--requests 100]
 [--tokens 4] [--itl-ms 5] [--seed 7]``.
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-bytes", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=7, help="the rounds' shuffled orders")
     args = parser.parse_args(argv)
+    names = [DIRECT, RELAY, *args.prefixgates]
+    if len(set(names)) != len(names):
+        parser.error("each target is named once (and none is named direct or relay)")
     bodies = salted_bodies(args.prompt_bytes, args.tokens)
     with tempfile.TemporaryDirectory(prefix="pg-one-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
@@ -70,19 +74,18 @@ def main(argv: list[str] | None = None) -> int:
             DIRECT: fake.url,
             RELAY: stack.enter_context(procs.start_bare_relay(workdir, fake.url)).url,
         }
-        redis_url: str | None = None
         for i, spec in enumerate(args.prefixgates):
             base, _, flags = spec.partition(":")
-            with_redis = base.endswith(REDIS)
-            base = base.removesuffix(REDIS)
-            if with_redis and redis_url is None:
+            redis_url = None
+            if base.endswith(REDIS):  # a redis-server of its own: no target sees another's
+                base = base.removesuffix(REDIS)
                 redis_url = stack.enter_context(procs.start_redis(workdir)).url
             proxy = procs.start_prefixgate(
                 workdir,
                 fake.url,
                 name=f"pg{i}",
                 command=None if base == "this" else [base],
-                redis_url=redis_url if with_redis else None,
+                redis_url=redis_url,
                 extra=flags.split(),
             )
             urls[spec] = stack.enter_context(proxy).url

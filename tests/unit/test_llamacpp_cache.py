@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 from hypothesis import given, settings
@@ -434,11 +435,39 @@ def _best_by_scan(ram: RamCache, current: CachedPrompt | None, q: PromptQuery) -
     return chosen
 
 
-@settings(max_examples=150, deadline=None)
+def _saved_by_scan(
+    entries: list[CachedPrompt], new: CachedPrompt, *, limit: int, ram_tokens: float
+) -> list[CachedPrompt]:
+    """``RamCache.save`` as a comparison against every entry, then both size limits."""
+    if new in entries or any(contains(e, new) for e in entries):
+        return entries
+    out = [e for e in entries if not contains(new, e)] + [new]
+    out = out[-limit:]
+    while out and sum(e.tokens for e in out) > ram_tokens:
+        out.pop(0)
+    return out
+
+
+def _cached_state(prefix: int, n: int, tail: int, rendered: bool) -> CachedPrompt:
+    """A hashes-only state, or a rendered chat prompt (64-byte blocks): one user message of
+    ``prefix``, then, with ``tail``, an answer and a second message. With ``n`` 0 and no tail it
+    is shorter than a block (segments, no blocks), and its continuation holds it whole."""
+    if not rendered:
+        return state(chain(prefix, n, tail, 1 if tail else 0))
+    messages = [{"role": "system", "content": "Be brief."}]
+    messages.append({"role": "user", "content": f"{prefix} " * (2 + 12 * n)})
+    if tail:
+        messages.append({"role": "assistant", "content": "ok"})
+        messages.append({"role": "user", "content": f"{tail} " * 12})
+    fp = fingerprint("/v1/chat/completions", {"model": "m", "messages": messages}, block_bytes=64)
+    return CachedPrompt(hashes=fp.block_hashes, prompt_tokens=fp.total_bytes / 4.0, fp=fp)
+
+
+@settings(max_examples=200, deadline=None)
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["save", "take", "best", "holds"]),
+            st.sampled_from(["save", "save", "resave", "take", "best", "holds"]),
             st.integers(1, 4),  # the first block
             st.integers(0, 6),  # blocks (0: a prompt without any)
             st.integers(0, 2),  # the tail's prefix
@@ -451,39 +480,44 @@ def _best_by_scan(ram: RamCache, current: CachedPrompt | None, q: PromptQuery) -
 def test_the_ram_caches_counts_answer_as_a_scan_of_its_entries(
     steps: list[tuple[str, int, int, int, bool]], ram_tokens: float
 ) -> None:
-    """``best`` and ``holds`` answer from the counts of first blocks when no entry can match;
-    through saves, loads (``take``), the entry limit and the token limit, the counts stay those
-    of the entries, and the answers those of a scan. Rendered prompts share a system message
-    shorter than a block: an entry of few blocks parting in the first one is still a match."""
+    """``best``, ``holds`` and ``save`` answer from the counts of first blocks when no entry
+    can match; through saves, saves again, loads (``take``), the entry limit (three here) and the
+    token limit, the counts stay those of the entries, and the entries and the answers those of
+    scans. Rendered prompts share a system message shorter than a block: an entry of few blocks
+    parting in the first one is still a match, and one without blocks is held by its
+    continuation."""
+    limit = 3
     ram = RamCache(ServerRules(ram_tokens=ram_tokens))
+    expected: list[CachedPrompt] = []
     seen: list[CachedPrompt] = []
-    for op, prefix, n, tail, rendered in steps:
-        if rendered:
-            messages = [{"role": "system", "content": "Be brief."}]
-            messages.append({"role": "user", "content": f"{prefix}{tail} " * (4 + 12 * n)})
-            body = {"model": "m", "messages": messages}
-            fp = fingerprint("/v1/chat/completions", body, block_bytes=64)
-            s = CachedPrompt(hashes=fp.block_hashes, prompt_tokens=fp.total_bytes / 4.0, fp=fp)
-        else:
-            s = state(chain(prefix, n, tail, 1 if tail else 0))
-        if op == "save":
-            ram.save(s)
-            seen.append(s)
-        elif op == "take" and seen:
-            ram.take(seen[n % len(seen)])
-        elif op == "best":
-            current = seen[n % len(seen)] if seen and tail else None  # (None: an empty slot)
-            q = PromptQuery(s.hashes, s.prompt_tokens + 10, 16.0, s.fp)
-            assert ram.best(current, q, TokenCounter()) is _best_by_scan(ram, current, q)
-        elif op == "holds":
-            assert ram.holds(s) == (s in ram.entries or any(contains(e, s) for e in ram.entries))
-        starts: dict[int, int] = {}
-        for e in ram.entries:
-            if e.hashes:
-                starts[e.hashes[0]] = starts.get(e.hashes[0], 0) + 1
-        assert ram._starts == starts
-        assert ram._short == sum(len(e.hashes) < 4 for e in ram.entries)
-        assert ram._bare == sum(not e.hashes for e in ram.entries)
+    with patch("proxy.backends.llamacpp_cache.MAX_RAM_ENTRIES", limit):
+        for op, prefix, n, tail, rendered in steps:
+            s = _cached_state(prefix, n, tail, rendered)
+            if op == "resave" and seen:
+                s, op = seen[n % len(seen)], "save"
+            if op == "save":
+                ram.save(s)
+                expected = _saved_by_scan(expected, s, limit=limit, ram_tokens=ram_tokens)
+                seen.append(s)
+            elif op == "take" and seen:
+                taken = seen[n % len(seen)]
+                ram.take(taken)
+                expected = [e for e in expected if e is not taken]
+            elif op == "best":
+                current = seen[n % len(seen)] if seen and tail else None  # (None: an empty slot)
+                q = PromptQuery(s.hashes, s.prompt_tokens + 10, 16.0, s.fp)
+                assert ram.best(current, q, TokenCounter()) is _best_by_scan(ram, current, q)
+            elif op == "holds":
+                held = s in ram.entries or any(contains(e, s) for e in ram.entries)
+                assert ram.holds(s) == held
+            assert ram.entries == expected
+            starts: dict[int, int] = {}
+            for e in ram.entries:
+                if e.hashes:
+                    starts[e.hashes[0]] = starts.get(e.hashes[0], 0) + 1
+            assert ram._starts == starts
+            assert ram._short == sum(len(e.hashes) < 4 for e in ram.entries)
+            assert ram._bare == sum(not e.hashes for e in ram.entries)
 
 
 def _placed(
