@@ -64,6 +64,11 @@ async def _within(call: Awaitable[T], timeout_s: float) -> T:
     return task.result()
 
 
+STALE_READ = object()
+"""In place of a read's result (``_eval_all``'s ``reads``): the read missed Redis's script
+cache and ran again only after writes of the same pipeline had run, so it may have seen them."""
+
+
 def _raised(results: list[Any]) -> list[Any]:
     """``results``, or the first error among them raised (a pipeline's errors come in place)."""
     for r in results:
@@ -208,6 +213,7 @@ class RedisCalls:
         answer: Callable[[list[Any]], T],
         *,
         writes: bool = False,
+        reads: int = 0,
     ) -> T:
         """``answer`` to the results of ``calls`` (``_eval_all``) within ``timeout_s``, guarded.
 
@@ -215,17 +221,20 @@ class RedisCalls:
         the link's: it fails the call only if Redis's replies had not been read when the loop
         came to look, so a proxy too busy to notice an answer in time does not put its own lag
         down to Redis (and open the breaker on it). A frozen or slow Redis still misses it.
-        Through redis-py (Cluster, TLS) ``_guarded`` bounds the call.
+        Through redis-py (Cluster, TLS) ``_guarded`` bounds the call. ``reads``: see
+        ``_eval_all``.
         """
         if (self._write_link if writes else self._link) is None:
 
             async def run() -> T:
-                return answer(await self._eval_all(calls, writes=writes))
+                return answer(await self._eval_all(calls, writes=writes, reads=reads))
 
             return await self._guarded(op, timeout_s, neutral, run)
 
         async def bounded() -> T:
-            return answer(await self._eval_all(calls, writes=writes, timeout_s=timeout_s))
+            return answer(
+                await self._eval_all(calls, writes=writes, timeout_s=timeout_s, reads=reads)
+            )
 
         return await self._guarded(op, None, neutral, bounded)
 
@@ -235,16 +244,20 @@ class RedisCalls:
         *,
         writes: bool = False,
         timeout_s: float | None = None,
+        reads: int = 0,
     ) -> list[Any]:
         """Run each (script, keys, args) in one pipelined round trip (one per node, in parallel,
         on a cluster). ``timeout_s``: the scripts' link's deadline (``_scripts``), from now.
+        ``reads``: the first ``reads`` calls read what the store held before the others wrote.
 
         After a Redis restart the script cache is empty: the calls that failed for it are sent
         once more with the scripts' source (``EVAL`` runs and caches them), one more round trip
         in all, so that the first lookup after a restart still fits its deadline. Only those
-        calls run again: a script that did run is never applied twice. Should the first round
-        trip's replies have been read past the deadline (the loop's lag: they count), the second
-        has a window of its own, else it would be given up before Redis could answer it.
+        calls run again: a script that did run is never applied twice, and a read among the
+        first ``reads`` that runs again after a write of the first trip is ``STALE_READ``.
+        Should the first round trip's replies have been read past the deadline (the loop's lag:
+        they count), the second has a window of its own, else it would be given up before Redis
+        could answer it.
         """
         link = self._write_link if writes else self._link
         loop = asyncio.get_running_loop()
@@ -270,6 +283,13 @@ class RedisCalls:
             )
             for i, r in zip(missing, again, strict=True):
                 results[i] = r
+            # A read sent again after writes of the first round trip ran may count them (a
+            # request's lookup would find its own claim): it is not an answer.
+            gone = set(missing)
+            if any(i not in gone for i in range(reads, len(calls))):
+                for i in missing:
+                    if i < reads and not isinstance(results[i], Exception):
+                        results[i] = STALE_READ
         return _raised(results)
 
     async def _pipelined(self, commands: Sequence[Sequence[Any]]) -> list[Any]:

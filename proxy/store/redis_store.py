@@ -25,7 +25,7 @@ from redis.backoff import NoBackoff
 
 from proxy.store.base import DEFAULT_NAMESPACE, LookupResult, StoreOptions
 from proxy.store.ranking import PrefixStat
-from proxy.store.redis_calls import RedisCalls
+from proxy.store.redis_calls import STALE_READ, RedisCalls
 from proxy.store.redis_cluster import cluster_client
 from proxy.store.redis_layout import Call, RedisLayout, numbers
 from proxy.store.redis_scripts import ALL_SCRIPTS, pack_chain
@@ -281,7 +281,8 @@ class RedisStore(RedisCalls):
         its lookups (answered from the store as it was before the batch's writes), each
         replica's in-flight count (absolute, as ``add_in_flight`` writes it), the traffic
         counts, the chains and the statistics, in that order. The lookups of a batch that fails
-        are left unanswered (``WriteBatch.unanswered`` answers them as unavailable)."""
+        are left unanswered (``WriteBatch.unanswered`` answers them as unavailable), and so is
+        one that had to run again after the writes (``STALE_READ``: a script cache emptied)."""
         calls: list[Call] = []
         reads: list[tuple[int, int, Callable[[Sequence[Any]], LookupResult]]] = []
         for lookup in batch.lookups:
@@ -307,9 +308,14 @@ class RedisStore(RedisCalls):
 
         def answered(results: list[Any]) -> None:
             for lookup, (start, end, answer) in zip(batch.lookups, reads, strict=True):
-                lookup.answer(answer(results[start:end]))
+                got = results[start:end]
+                if any(r is STALE_READ for r in got):  # it may count the batch's own writes
+                    lookup.answer(LookupResult.unavailable())
+                else:
+                    lookup.answer(answer(got))
 
-        await self._scripts("writes", limit_s, None, calls, answered, writes=True)
+        n_reads = reads[-1][1] if reads else 0
+        await self._scripts("writes", limit_s, None, calls, answered, writes=True, reads=n_reads)
 
     async def query_stats(
         self,

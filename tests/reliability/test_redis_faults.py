@@ -168,7 +168,9 @@ async def test_redis_blackholed(
 
         assert await eventually(recorded, within_s=2)
         record = next(r for r in proxy.records() if r["request_id"] == rid)
-        assert not record.get("prefix_matched_blocks")  # a prompt never seen predicts nothing
+        # A prompt never seen predicts nothing (what the record and the log said, if it did).
+        said = {k: v for k, v in record.items() if k.startswith(("prefix_", "route", "sched"))}
+        assert not record.get("prefix_matched_blocks"), f"{said}\n{log_tail(proxy, 60)}"
     finally:
         await gate.close()
 

@@ -14,6 +14,7 @@ from redis_process import RELAXED, RedisServer, StoreFactory
 from proxy.routing import TRAFFIC_MAX_BLOCKS
 from proxy.store import LookupResult, PrefixStore, RedisStore, StatsSample, StoreOptions
 from proxy.store.base import StoreTimeouts
+from proxy.store.write_behind import Lookup, WriteBatch
 
 CAP = 10_000
 R1, R2, R3 = "http://10.0.0.1:8080", "http://10.0.0.2:8080", "http://10.0.0.3:8080"
@@ -327,5 +328,44 @@ async def test_an_emptied_script_cache_costs_one_retry_and_no_double_write(
         assert got.matched == {R1: 3, R2: 0}
         assert (got.window_requests, got.hash_counts) == (1, [1, 1, 1])
         assert not store.degraded
+    finally:
+        await store.aclose()
+
+
+def _claiming(p: list[int]) -> WriteBatch:
+    """A request's queued batch: its lookup, then its claim of the same chain."""
+    batch = WriteBatch()
+    batch.lookups.append(Lookup("default", [R1], p, asyncio.get_running_loop().create_future()))
+    batch.records[("default", R1, p[-1], len(p))] = (p, CAP)
+    return batch
+
+
+@pytest.mark.redis
+async def test_a_batch_lookup_sent_again_after_its_own_writes_is_no_answer(
+    redis_server: RedisServer,
+) -> None:
+    """Redis's script cache emptied (a restart), and the write scripts loaded again first (a
+    batch of writes alone): a batch's lookup that misses the cache runs again only after the
+    batch's writes ran, and would find its own request's claim. It is answered as unavailable
+    (no prediction) rather than as a match; the writes run once. With the cache whole, a
+    batch's lookup reads the store as it was before the batch's writes."""
+    redis_server.flush()
+    store = RedisStore.from_url(redis_server.url, StoreOptions(timeouts=RELAXED))
+    try:
+        await store.client.script_flush()
+        await store.record_prefix("default", R1, chain("w", 2), CAP)  # the write script only
+        own = chain("own", 3)
+        batch = _claiming(own)
+        await store.apply_writes(batch)
+        got = batch.lookups[0].future.result()
+        assert not got.available and not got.matched.get(R1)
+        assert (await store.lookup("default", [R1], own)).matched == {R1: 3}  # claimed once
+        assert not store.degraded  # a script cache miss is not a failure of Redis
+
+        later = chain("later", 2)
+        batch = _claiming(later)
+        await store.apply_writes(batch)
+        got = batch.lookups[0].future.result()
+        assert got.available and got.matched == {R1: 0}
     finally:
         await store.aclose()
