@@ -87,9 +87,9 @@ def added_fields(raw: bytes, original: dict[str, Any], body: dict[str, Any]) -> 
         return None
     # Where the object closes: found in the last bytes (``rstrip`` of the whole would copy
     # it), or, past a long run of trailing space, in the whole after all.
-    tail = raw[-64:].rstrip(_JSON_SPACE)
-    end = len(raw) - 64 + len(tail) if len(raw) > 64 else len(tail)
-    if not tail and len(raw) > 64:
+    start = max(len(raw) - 64, 0)
+    end = start + len(raw[start:].rstrip(_JSON_SPACE))
+    if end == start and start:
         end = len(raw.rstrip(_JSON_SPACE))
     if raw[end - 1 : end] != b"}":
         return None

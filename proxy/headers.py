@@ -47,10 +47,10 @@ def upstream_request_headers(
     When the proxy holds the backend's key, the client's Authorization (the key it used for the
     proxy) is replaced so the backend key never leaves the server side.
     """
-    skip = _UPSTREAM_SKIP
-    named = _connection_tokens(incoming) if hdrs.CONNECTION in incoming else None
-    if named or drop:
-        skip = skip | (named or set()) | {d.lower() for d in drop}
+    extra = {d.lower() for d in drop}
+    if hdrs.CONNECTION in incoming:
+        extra |= _connection_tokens(incoming)
+    skip = _UPSTREAM_SKIP | extra if extra else _UPSTREAM_SKIP
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in incoming.items():
         if key.lower() not in skip:

@@ -279,13 +279,17 @@ class SlotTable:
         # A busy slot sharing not even the first block holds well under ``useful_tokens``.
         quick_reject = useful_tokens > 2.0 * req.tokens_per_block
 
-        def idle_cost(uncached: float) -> tuple[float, float]:
+        def prefills() -> Prefills:
             nonlocal prefilling
+            if prefilling is None:
+                prefilling = self._prefilling(now, rates)
+            return prefilling
+
+        def idle_cost(uncached: float) -> tuple[float, float]:
             known = idle_costs.get(uncached)
             if known is None:
-                if prefilling is None:
-                    prefilling = self._prefilling(now, rates)
-                shared, imposed = prefilling.shared(uncached), prefilling.imposed(uncached)
+                running = prefills()
+                shared, imposed = running.shared(uncached), running.imposed(uncached)
                 known = idle_costs[uncached] = (shared, imposed * p)
             return known
 
@@ -328,9 +332,7 @@ class SlotTable:
                     continue  # waiting is worth it only for a prefix; the server places the rest
                 holder_seen = True
                 uncached = req.prompt_tokens - matched
-                if prefilling is None:
-                    prefilling = self._prefilling(now, rates)
-                end = self.free_at(slot, now, rates, prefilling) + uncached * p + decode_s
+                end = self.free_at(slot, now, rates, prefills()) + uncached * p + decode_s
                 key = (end, -matched, 1.0 if slot.content else 0.0, slot.last_used, float(slot.id))
                 if best is None or key < best[0]:
                     best = (key, SlotChoice(slot.id, SLOT_QUEUE, matched, uncached, end - now))

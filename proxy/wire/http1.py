@@ -330,8 +330,9 @@ def request_bytes(
     if auth is not None:
         parts.append(auth)
     parts.append(b"Accept-Encoding: identity\r\n")
-    pieces = [p for p in _pieces(body) if memoryview(p).nbytes]
-    length = sum(memoryview(p).nbytes for p in pieces)
+    sized = [(p, memoryview(p).nbytes) for p in _pieces(body)]
+    pieces = [p for p, n in sized if n]
+    length = sum(n for _, n in sized)
     if body is not None or method in ("POST", "PUT", "PATCH"):
         parts.append(b"Content-Length: %d\r\n" % length)
     parts.append(b"\r\n")
