@@ -52,6 +52,10 @@ COPY_S_PER_TOKEN = 5e-5  # before any copy is measured: 50 µs a token (a small 
 COPY_MAX_COST = 0.5  # a seeding copy must cost under this share of the prefill it saves
 COPY_MIN_LIMIT_S = 0.5  # a save or restore of a seeding copy is given up after this at least
 
+Seed = tuple[Slot, Slot, float]
+"""A seeding copy: the idle slot to copy, the empty idle slot to copy it into (where the request
+runs), and the prompt tokens the copy gives the request (``FanOut.seed_source``)."""
+
 
 @dataclass(slots=True)
 class FanOut:
@@ -77,7 +81,7 @@ class FanOut:
         rates: Rates,
         *,
         min_tokens: float,
-    ) -> tuple[Slot, Slot, float] | None:
+    ) -> Seed | None:
         """``(source, target, tokens)``: the idle slot to copy, the idle slot to copy it into
         and run ``req`` on, and the prompt tokens the copy gives it; None when no copy is worth
         making against ``choice``.
@@ -137,13 +141,16 @@ class FanOut:
         rates: Rates,
         *,
         min_tokens: float,
+        found: Seed | None = None,
     ) -> tuple[SlotChoice, float] | None:
-        """Copy the slot ``seed_source`` names into its target and place ``task`` there:
-        ``(the choice made, ms the request was held)``, or None when no copy is worth it
-        (``task`` is then still to be placed). When the save fails, or the slots changed while
-        it was made, the choice is made again and ``task`` placed by it. The whole copy holds
-        the copy lock: no other copy overwrites the snapshot between its save and restore."""
-        found = self.seed_source(table, choice, req, monotonic(), rates, min_tokens=min_tokens)
+        """Copy the slot ``seed_source`` names (``found``, when the caller asked it already,
+        with nothing awaited since) into its target and place ``task`` there: ``(the choice
+        made, ms the request was held)``, or None when no copy is worth it (``task`` is then
+        still to be placed). When the save fails, or the slots changed while it was made, the
+        choice is made again and ``task`` placed by it. The whole copy holds the copy lock: no
+        other copy overwrites the snapshot between its save and restore."""
+        if found is None:
+            found = self.seed_source(table, choice, req, monotonic(), rates, min_tokens=min_tokens)
         if found is None:
             return None
         source, target, tokens = found

@@ -41,7 +41,7 @@ from proxy.prefixes import answered
 from proxy.records import Observation, RequestRecord, monotonic
 from proxy.scheduling.coalesce import InflightPrefixes, Leader, wait_for_leader
 from proxy.scheduling.config import SchedulingConfig
-from proxy.scheduling.fanout import FanOut
+from proxy.scheduling.fanout import FanOut, Seed
 from proxy.scheduling.rates import Rates
 from proxy.scheduling.slots import (
     SLOT_BUSY,
@@ -340,7 +340,7 @@ class Scheduler:
         client = api.client_slot(body)
         choice: SlotChoice
         copied: SlotChoice | None = None
-        chosen = False  # the table's choice (not the client's, not a step back)
+        source: Seed | None = None  # the copy that would serve it better, if any
         if plain and client is None:
             choice = SlotChoice(None, SLOT_UNPINNED, 0.0, req.prompt_tokens, 0.0)
         elif client is not None:
@@ -354,8 +354,11 @@ class Scheduler:
             choice = SlotChoice(None, SLOT_FOREIGN, 0.0, req.prompt_tokens, 0.0)
         else:
             useful = float(self.config.min_prefix_tokens)
-            choice = table.choose(req, state.rates, now, useful_tokens=useful)
-            chosen = True
+            # The choice and the copy's source ask the same matches of the same states: one
+            # scope computes each once (``TokenCounter.scope``).
+            with table.counter.scope(req.query()):
+                choice = table.choose(req, state.rates, now, useful_tokens=useful)
+                source = self._seed_source(state, table, req, choice, now)
         task = SlotTask(
             hashes=req.hashes,
             prompt_tokens=req.prompt_tokens,
@@ -373,8 +376,8 @@ class Scheduler:
             task.t_sent = monotonic()
             if copied is not None:  # the task is placed already
                 choice = copied
-        if copied is None and self.config.slot_copy and chosen:
-            seeded = await self._seed(ticket, state, table, req, choice, task)
+        if copied is None and source is not None:
+            seeded = await self._seed(ticket, state, table, req, choice, task, source)
             if seeded is not None:
                 choice, copied = seeded, seeded
         if copied is None:
@@ -443,6 +446,22 @@ class Scheduler:
             min_tokens=self.config.min_prefix_tokens,
         )
 
+    def _seed_source(
+        self,
+        state: ReplicaState,
+        table: SlotTable,
+        req: SlotRequest,
+        choice: SlotChoice,
+        now: float,
+    ) -> Seed | None:
+        """The copy that would serve ``req`` better than ``choice`` (``FanOut.seed_source``),
+        where copies are made; None otherwise."""
+        endpoint = state.endpoint
+        if not self.config.slot_copy or endpoint is None or not endpoint.save_supported:
+            return None
+        min_tokens = float(self.config.min_prefix_tokens)
+        return state.fanout.seed_source(table, choice, req, now, state.rates, min_tokens=min_tokens)
+
     async def _seed(
         self,
         ticket: Ticket,
@@ -451,12 +470,12 @@ class Scheduler:
         req: SlotRequest,
         choice: SlotChoice,
         task: SlotTask,
+        source: Seed,
     ) -> SlotChoice | None:
-        """Seed an idle slot with a copy of the one holding the request's prefix
-        (``FanOut.seed``); None when no copy is made and ``task`` is still to be placed."""
+        """Seed an idle slot with a copy of ``source`` (``FanOut.seed``); None when no copy is
+        made and ``task`` is still to be placed."""
         endpoint = state.endpoint
-        if endpoint is None or not endpoint.save_supported:
-            return None
+        assert endpoint is not None  # (a source is found only where copies are made)
         seeded = await state.fanout.seed(
             endpoint,
             table,
@@ -465,6 +484,7 @@ class Scheduler:
             task,
             state.rates,
             min_tokens=float(self.config.min_prefix_tokens),
+            found=source,
         )
         if seeded is None:
             return None

@@ -102,11 +102,19 @@ class SlotRequest:
     """The request's fingerprint (segment hashes: a conversation's next turn is recognised)."""
     data: bytes = field(default=b"", repr=False)
     """The bytes ``fp`` hashed (``PromptQuery.data``)."""
+    _query: PromptQuery | None = field(
+        default=None, init=False, repr=False, compare=False, hash=False
+    )
 
     def query(self) -> PromptQuery:
-        return PromptQuery(
-            self.hashes, self.prompt_tokens, self.tokens_per_block, self.fp, self.data
-        )
+        """The request as the cache model asks of it: one object per request, so that a match
+        computed for it once (``TokenCounter.scope``) serves every later question alike."""
+        query = self._query
+        if query is None:
+            query = self._query = PromptQuery(
+                self.hashes, self.prompt_tokens, self.tokens_per_block, self.fp, self.data
+            )
+        return query
 
 
 @dataclass(slots=True, eq=False)

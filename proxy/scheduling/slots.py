@@ -271,8 +271,15 @@ class SlotTable:
         decode_s = req.decode_tokens * t
         best: tuple[tuple[float, ...], SlotChoice] | None = None
         holder_seen = False
-        any_idle = False
-        views: list[SlotView] = []  # what the cache model sees, once a slot is idle
+        slots = self.slots
+        busy = [bool(s.tasks) or s.foreign_until > now for s in slots]  # (``Slot.idle``)
+        any_idle = not all(busy)
+        # What the cache model sees (when some slot is idle: else nothing asks).
+        views = (
+            [SlotView(s.state, b, s.last_used) for s, b in zip(slots, busy, strict=True)]
+            if any_idle
+            else []
+        )
         # What placing on an idle slot costs depends only on the tokens it leaves to prefill,
         # which few slots differ in: computed once per distinct value, not once per slot.
         idle_costs: dict[float, tuple[float, float]] = {}
@@ -296,14 +303,12 @@ class SlotTable:
         # Every empty idle slot weighs the same (nothing reused, nothing lost): only the one
         # the ties go to, the least recently used, is weighed.
         empty = min(
-            (s for s in self.slots if s.state is None and s.idle(now)),
+            (s for s, b in zip(slots, busy, strict=True) if not b and s.state is None),
             key=_lru,
             default=None,
         )
-        for slot in self.slots:
-            if slot.idle(now):
-                if not any_idle:
-                    any_idle, views = True, self._views(now)
+        for slot, slot_busy in zip(slots, busy, strict=True):
+            if not slot_busy:
                 if slot.state is None and slot is not empty:
                     continue
                 outcome = pick(
