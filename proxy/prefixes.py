@@ -25,8 +25,9 @@ nothing will await it (``deferred``), the lookup goes with the store's queued wr
 them (``WriteBehind.lookup``): with the batch, ``delay_s`` after its first write (after the
 first token of a request that has one sooner), or at the request's end, whichever comes first.
 With the embedded store (in this process, its writes queued) such a lookup is read after the
-request is on its way: at its first token or its end (``answer_local``), and always before a
-batch of queued writes, the request's own claim among them, is applied.
+request is on its way: a moment after its first token is written, or at its end
+(``answer_local``), and always before a batch of queued writes, the request's own claim among
+them, is applied.
 """
 
 from __future__ import annotations
@@ -499,10 +500,11 @@ class PrefixTracker:
 
     def answer_local(self) -> None:
         """Answer the deferred lookups of a store in this process, from the store as it is now:
-        at a request's first token or end, whichever comes first, and always before a batch of
-        queued writes (their own claims among them) is applied. Never raises."""
+        a moment after a request's first token (``handlers._after_first_token``) or at its
+        end, whichever comes first, and always before a batch of queued writes (their own claims
+        among them) is applied. Never raises."""
         if not self._local:
-            return  # (every request's first token and end ask)
+            return  # (asked after first tokens and at every end)
         local, self._local = self._local, []
         lookup_now = self._lookup_now
         for pending, view, namespace, replicas, hashes in local:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import aiohttp
@@ -46,6 +47,8 @@ class ProxyState:
     """The control group's per-conversation tallies (only with ``--control-share``)."""
     tracer: RecordTracer | None = None
     """Traces over OTLP (only when the environment configures an endpoint)."""
+    after_first: asyncio.TimerHandle | None = None
+    """The pending run of the work that waits for first tokens (``handlers._first_token``)."""
     awaiting_first: int = 0
     """Inference requests that arrived and have no token out yet: the proxy's work for them is
     their time to first token, and records wait for them (``RecordWriter.hold_while``)."""

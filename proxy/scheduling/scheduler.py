@@ -230,6 +230,12 @@ class Scheduler:
             state = self._states[url] = ReplicaState(url=url)
         return state
 
+    def settle(self) -> None:
+        """Apply what every replica's slot table left for later (``SlotTable.settle``)."""
+        for state in self._states.values():
+            if state.table is not None:
+                state.table.settle()
+
     # -- which feature applies -----------------------------------------------------------------
 
     def pins(self, replica: Replica) -> bool:

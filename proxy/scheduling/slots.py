@@ -149,7 +149,8 @@ class SlotTable:
 
     def settle(self) -> None:
         """Apply the launch ``place`` left for later. Every public method of the table calls
-        this first (``place`` too, so one launch at most is pending), and so does whatever
+        this first (``place`` too, so one launch at most is pending; ``first_token`` only when
+        it moves the task, its stamp needing no launch applied), and so does whatever
         reads or writes the slots from outside (``Scheduler._table``, and ``FanOut`` after each
         of its awaits, before it sets a slot's state): nothing sees or changes the model
         without it. A launch that fails (a bug in the model) is logged and dropped here, so
@@ -600,12 +601,16 @@ class SlotTable:
             self.continuations.observe(task.state, continued=False)
 
     def first_token(self, task: SlotTask, now: float, reported_slot: int | None = None) -> None:
-        """The backend answered ``task``'s first token (and said which slot, if it did)."""
-        self.settle()
+        """The backend answered ``task``'s first token (and said which slot, if it did).
+
+        Only stamps the task when it is where the model put it: a launch left for later stays
+        pending (``settle``), so that the token reaches its client before that work is done
+        (``Scheduler.settle``, a moment after, or the table's next use)."""
         if task.t_first_token is None:
             task.t_first_token = now
         if reported_slot is None or not self.slots or task.slot == reported_slot:
             return
+        self.settle()
         self._detach(task, now)
         slot = self.slots[reported_slot % len(self.slots)]
         task.slot = slot.id

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from fakes import Knobs, MakeProxy, ProxyClient, SlotLlamaFake, serve
 
+from proxy import handlers
 from proxy.scheduling import SchedulingConfig
 from proxy.state import STATE
 
@@ -285,3 +286,42 @@ async def test_a_failed_restore_runs_the_request_from_nothing_and_says_so(
     assert rec.schedule_reason == "slot_place" and rec.predicted_cached_tokens == 0
     table = app[STATE].scheduler.state(fake.url).table
     assert table is not None and table.counter.closing is None
+
+
+async def _first_token_then(
+    client: ProxyClient, body: dict[str, Any], wait_s: float
+) -> tuple[Any, bytes]:
+    """Stream ``body``, read up to its first token event, wait ``wait_s``; (response, read)."""
+    resp = await client.post("/v1/chat/completions", json={**body, "stream": True})
+    assert resp.status == 200
+    read = b""
+    while b'"content"' not in read:
+        read += await resp.content.readany()
+    await asyncio.sleep(wait_s)
+    return resp, read
+
+
+@pytest.mark.parametrize("delay_s", [0.001, 30.0])
+async def test_the_model_work_a_first_token_waited_for_runs_a_moment_after_it(
+    aiohttp_server: Any, make_proxy: MakeProxy, monkeypatch: pytest.MonkeyPatch, delay_s: float
+) -> None:
+    """The first token is written before the slot model's launch is applied: that work runs
+    ``AFTER_FIRST_TOKEN_S`` later (mid-answer here), or at the table's next use, whichever
+    comes first; its end at the latest."""
+    monkeypatch.setattr(handlers, "AFTER_FIRST_TOKEN_S", delay_s)
+    fake = await serve(SlotLlamaFake(Knobs(token_delay_s=0.2), slots=4), aiohttp_server)
+    client, records, app = await make_proxy(fake.url)
+    state = app[STATE]
+    resp, _ = await _first_token_then(client, chat(SYSTEM, "q?"), 0.05)
+    table = state.scheduler.state(fake.url).table
+    assert table is not None and not resp.content.at_eof()  # (mid-answer)
+    if delay_s < 0.01:
+        assert table._pending_launch is None and state.after_first is None
+    else:
+        assert table._pending_launch is not None and state.after_first is not None
+        assert table._pending_launch[1].t_first_token is not None  # (stamped, not launched)
+    await resp.read()
+    record = await records.wait(1)
+    assert table._pending_launch is None  # (the request's end applied it at the latest)
+    assert record.schedule_reason == "slot_place" and record.slot == fake.assigned[0]
+    assert table.slots[record.slot].state is not None

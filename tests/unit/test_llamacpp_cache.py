@@ -582,8 +582,9 @@ def test_a_launch_left_for_later_gives_the_model_the_same_picture(rules: ServerR
 
 def test_a_launch_left_for_later_is_applied_before_the_table_is_read() -> None:
     """Until it is applied the slot is taken (busy, the task's pick known) and the other
-    slots are as they were; the next use of the table (here the first token) applies it: under
-    unified KV the idle slot's prompt goes to the RAM cache and the slot is cleared."""
+    slots are as they were; the first token only stamps the task (it reaches its client before
+    the launch's work is done), and the next read of the table applies it: under unified KV
+    the idle slot's prompt goes to the RAM cache and the slot is cleared."""
     table = SlotTable(2, 4096, rules=ServerRules(unified=True))
     first = _placed(table, chain(1, 6), 1.0, later=True)
     table.end(first[0], 1.5, ok=True)  # (its launch applied first)
@@ -593,6 +594,8 @@ def test_a_launch_left_for_later_is_applied_before_the_table_is_read() -> None:
     assert held.state is not None and not table.ram.entries and table._pending_launch is not None
     assert not taken.idle(2.0) and second[0].pick is second[1].pick
     table.first_token(second[0], 2.01)
+    assert second[0].t_first_token == 2.01 and table._pending_launch is not None
+    table.live_conversations(2.02)
     assert table._pending_launch is None and held.state is None
     assert [e.hashes for e in table.ram.entries] == [chain(1, 6)]
 
