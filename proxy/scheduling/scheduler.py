@@ -507,17 +507,8 @@ class Scheduler:
         """
         if ticket is not None:
             ticket.end(ok=record.status < 400 and record.error is None)
-            if (
-                ticket.task is not None
-                and ticket.state is not None
-                and ticket.state.table is not None
-            ):
-                ticket.state.table.measured(
-                    ticket.task,
-                    prompt_tokens=record.prompt_tokens,
-                    completion_tokens=record.completion_tokens,
-                    cached_tokens=record.cached_tokens,
-                )
+            # (once: usually the ticket's end measured it already, from the same figures)
+            ticket.measure(record.prompt_tokens, record.completion_tokens, record.cached_tokens)
         if record.backend is not None and record.backend in self._states:
             self._states[record.backend].rates.observe(record)
 

@@ -9,7 +9,7 @@ import pytest
 from fakes import Knobs, MakeProxy, ProxyClient, SlotLlamaFake, serve
 
 from proxy import handlers
-from proxy.scheduling import SchedulingConfig
+from proxy.scheduling import SchedulingConfig, SlotTable
 from proxy.state import STATE
 
 SYSTEM = " ".join(f"rule{i} keep answers short and cite policy section {i}." for i in range(60))
@@ -325,3 +325,26 @@ async def test_the_model_work_a_first_token_waited_for_runs_a_moment_after_it(
     assert table._pending_launch is None  # (the request's end applied it at the latest)
     assert record.schedule_reason == "slot_place" and record.slot == fake.assigned[0]
     assert table.slots[record.slot].state is not None
+
+
+async def test_each_request_is_measured_into_the_cache_model_once(
+    slot_fake: SlotLlamaFake, make_proxy: MakeProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request's usage is learned once (at its end, before its slot is handed on), not again
+    when its record is written: the model's running estimates move once per measurement."""
+    measured: list[Any] = []
+    original = SlotTable.measured
+
+    def counted(self: SlotTable, task: Any, **figures: Any) -> None:
+        measured.append(task)
+        original(self, task, **figures)
+
+    monkeypatch.setattr(SlotTable, "measured", counted)
+    client, records, _ = await make_proxy(slot_fake.url)
+    await post_all(client, [chat(SYSTEM, "first?")])
+    resp = await client.post("/v1/chat/completions", json={**chat(SYSTEM, "next?"), "stream": True})
+    assert resp.status == 200
+    await resp.read()
+    await records.wait(2)
+    assert all(r.prompt_tokens for r in records)
+    assert len(measured) == 2 and measured[0] is not measured[1]
