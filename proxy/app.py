@@ -218,6 +218,8 @@ def build_app(
                 )
                 yield
             finally:
+                if state.after_first is not None:  # (each request's end did its work)
+                    state.after_first.cancel()
                 await state.scheduler.aclose()
                 await fleet.aclose()
                 await record_writer.drain(final=True)

@@ -63,6 +63,11 @@ INFERENCE_PATHS = {
     "/v1/messages": MESSAGES,
 }
 
+AFTER_FIRST_TOKEN_S = 0.001
+"""How long after a first token is relayed the work that waited for it runs. Not at once: a
+client on the same cores is woken by the token, and would otherwise wait for that work to end
+before it reads it (at one stream, a tenth of a millisecond of its time to first token)."""
+
 
 def _target(state: ProxyState, view: PrefixView, decision: Decision) -> Target:
     replica = state.fleet[decision.replica]
@@ -298,12 +303,6 @@ def _first_token(state: ProxyState, ex: Exchange) -> Callable[[Mapping[str, Any]
             state.after_first = loop.call_later(AFTER_FIRST_TOKEN_S, _after_first_token, state)
 
     return first_token
-
-
-AFTER_FIRST_TOKEN_S = 0.001
-"""How long after a first token is written the work that waited for it runs. Not at once: a
-client on the same cores is woken by the token, and would otherwise wait for that work to end
-before it reads it (at one stream, a tenth of a millisecond of its time to first token)."""
 
 
 def _after_first_token(state: ProxyState) -> None:

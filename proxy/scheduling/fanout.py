@@ -104,7 +104,7 @@ class FanOut:
             return None
         query = req.query()
         target = min(targets, key=lambda s: (s.last_used, s.id))
-        best: tuple[Slot, Slot, float] | None = None
+        best: Seed | None = None
         for source in idle:
             if source.state is None or source is target:
                 continue

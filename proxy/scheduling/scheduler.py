@@ -364,6 +364,8 @@ class Scheduler:
             # scope computes each once (``TokenCounter.scope``).
             with table.counter.scope(req.query()):
                 choice = table.choose(req, state.rates, now, useful_tokens=useful)
+                # (None for a queued choice, the only one ``_fan_out`` awaits for: a source
+                # is used before anything has changed the slots)
                 source = self._seed_source(state, table, req, choice, now)
         task = SlotTask(
             hashes=req.hashes,
@@ -388,8 +390,8 @@ class Scheduler:
                 choice, copied = seeded, seeded
         if copied is None:
             # Before any await: the next request's choice sees it. The cache model's launch
-            # waits for the next use of the table (at one stream, the first token's), off the
-            # way to the backend.
+            # waits for the table's next use, or a moment after the next first token
+            # (``handlers._after_first_token``), off the way to the backend.
             table.place(task, choice.slot, task.t_sent, choice.pick, later=True)
         ticket.reason = choice.reason
         ticket.slot = choice.slot

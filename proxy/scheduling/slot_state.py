@@ -90,9 +90,10 @@ class Continuations:
             self._counts.pop(next(iter(self._counts)))
 
 
-@value
+@dataclass(slots=True, eq=False)
 class SlotRequest:
-    """What the table needs to know of a request to place it."""
+    """What the table needs to know of a request to place it (not a ``value``: it keeps the
+    query it is asked as, built at the first ask)."""
 
     hashes: tuple[int, ...]
     prompt_tokens: float
@@ -102,9 +103,7 @@ class SlotRequest:
     """The request's fingerprint (segment hashes: a conversation's next turn is recognised)."""
     data: bytes = field(default=b"", repr=False)
     """The bytes ``fp`` hashed (``PromptQuery.data``)."""
-    _query: PromptQuery | None = field(
-        default=None, init=False, repr=False, compare=False, hash=False
-    )
+    _query: PromptQuery | None = field(default=None, init=False, repr=False)
 
     def query(self) -> PromptQuery:
         """The request as the cache model asks of it: one object per request, so that a match

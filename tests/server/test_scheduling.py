@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
+import aiohttp
 import pytest
 from fakes import Knobs, MakeProxy, ProxyClient, SlotLlamaFake, serve
 
@@ -290,15 +292,18 @@ async def test_a_failed_restore_runs_the_request_from_nothing_and_says_so(
 
 async def _first_token_then(
     client: ProxyClient, body: dict[str, Any], wait_s: float
-) -> tuple[Any, bytes]:
-    """Stream ``body``, read up to its first token event, wait ``wait_s``; (response, read)."""
+) -> aiohttp.ClientResponse:
+    """Stream ``body``, read up to its first token (a non-empty content: the fake's first event
+    carries only the role), then wait ``wait_s``."""
     resp = await client.post("/v1/chat/completions", json={**body, "stream": True})
     assert resp.status == 200
     read = b""
-    while b'"content"' not in read:
+    while re.search(rb'"content":"[^"]', read) is None:
+        if resp.content.at_eof():
+            pytest.fail(f"the stream ended without a token: {read!r}")
         read += await resp.content.readany()
     await asyncio.sleep(wait_s)
-    return resp, read
+    return resp
 
 
 @pytest.mark.parametrize("delay_s", [0.001, 30.0])
@@ -310,9 +315,12 @@ async def test_the_model_work_a_first_token_waited_for_runs_a_moment_after_it(
     comes first; its end at the latest."""
     monkeypatch.setattr(handlers, "AFTER_FIRST_TOKEN_S", delay_s)
     fake = await serve(SlotLlamaFake(Knobs(token_delay_s=0.2), slots=4), aiohttp_server)
-    client, records, app = await make_proxy(fake.url)
+    # (no /slots read meanwhile: it would apply the launch too)
+    client, records, app = await make_proxy(
+        fake.url, scheduling=SchedulingConfig(slots_poll_s=60.0)
+    )
     state = app[STATE]
-    resp, _ = await _first_token_then(client, chat(SYSTEM, "q?"), 0.05)
+    resp = await _first_token_then(client, chat(SYSTEM, "q?"), 0.05)
     table = state.scheduler.state(fake.url).table
     assert table is not None and not resp.content.at_eof()  # (mid-answer)
     if delay_s < 0.01:
