@@ -303,6 +303,9 @@ def targets_check(table: dict[str, Any], proxy: str = "prefixgate") -> list[dict
     checks: list[dict[str, Any]] = []
     if pg is None:
         return checks
+    relay = table.get("aiohttp-relay")
+    if relay is not None:
+        checks += relay_checks(pg, relay)
     v = pg.get("c1_8k.added_ttft_ms.p50")
     checks.append(_check("1 stream: added TTFT p50 <= 1 ms", v, 1.0, None if v is None else v <= 1))
     v = pg.get("c1_8k.proxy_overhead_ms.p50")
@@ -349,6 +352,27 @@ def targets_check(table: dict[str, Any], proxy: str = "prefixgate") -> list[dict
                 "; ".join(lost),
             )
         )
+    return checks
+
+
+def relay_checks(pg: dict[str, Any], relay: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 21's targets, against the bare aiohttp relay of the same run (CPU per request at
+    64 streams is ``bench/profile_proxy.py --cpu-only --against relay``'s)."""
+    checks = []
+    v, r = pg.get("c1_8k.added_ttft_ms.p50"), relay.get("c1_8k.added_ttft_ms.p50")
+    ok = None if v is None or r is None else v <= r + 0.3
+    limit = None if r is None else round(r + 0.3, 3)
+    checks.append(_check("1 stream: added TTFT p50 <= the relay's + 0.3 ms", v, limit, ok))
+    v, r = pg.get("c64.rps"), relay.get("c64.rps")
+    ok = None if v is None or not r else v >= 0.9 * r
+    checks.append(_check("64 streams: requests/s >= 0.9 x the relay's", v, _r(r, 0.9), ok))
+    v = pg.get("c1_512k.proxy_overhead_ms.p50")
+    ok = None if v is None else v <= 3.0
+    checks.append(_check("proxy_overhead_ms p50 <= 3 ms at 512 KB", v, 3.0, ok))
+    v, r = pg.get("c1_512k.added_ttft_ms.p50"), relay.get("c1_512k.added_ttft_ms.p50")
+    ok = None if v is None or r is None else v <= r + 3.0
+    limit = None if r is None else round(r + 3.0, 3)
+    checks.append(_check("512 KB: added TTFT p50 <= the relay's + 3 ms", v, limit, ok))
     return checks
 
 

@@ -65,10 +65,16 @@ def test_overhead_harness_quick_run_writes_results_and_plots(tmp_path: Path) -> 
     for name in ("prefixgate", "prefixgate-redis"):
         overhead = report["results"][name]["phases"]["c1_8k"]["proxy_overhead_ms"]
         assert overhead["records"] > 0 and overhead["p50"] is not None
-        assert {c["target"] for c in report["targets"][name]} >= {
+        checks = {c["target"]: c for c in report["targets"][name]}
+        assert set(checks) >= {
             "1 stream: added TTFT p50 <= 1 ms",
             "64 streams: requests/s >= 80 % of nginx",
+            "1 stream: added TTFT p50 <= the relay's + 0.3 ms",
+            "64 streams: requests/s >= 0.9 x the relay's",
+            "proxy_overhead_ms p50 <= 3 ms at 512 KB",
+            "512 KB: added TTFT p50 <= the relay's + 3 ms",
         }
+        assert all(c["pass"] is not None for c in checks.values())  # (every figure measured)
     assert report["comparison"]["nginx"]["c1_8k.added_ttft_ms.p50"] is not None
 
     run_script(str(BENCH / "plots.py"), "--results", str(tmp_path), timeout_s=120)
