@@ -170,8 +170,13 @@ class SlotTable:
         self.ram.rules = rules
         self.ram.trim()
 
-    def _views(self, now: float) -> list[SlotView]:
-        return [SlotView(s.state, not s.idle(now), s.last_used) for s in self.slots]
+    def _busy(self, now: float) -> list[bool]:
+        """Each slot's ``not Slot.idle(now)``, in order."""
+        return [bool(s.tasks) or s.foreign_until > now for s in self.slots]
+
+    def _views(self, busy: Sequence[bool]) -> list[SlotView]:
+        """What the cache model sees of the slots, ``busy`` as ``_busy`` gives it."""
+        return [SlotView(s.state, b, s.last_used) for s, b in zip(self.slots, busy, strict=True)]
 
     # -- estimates -----------------------------------------------------------------------------
 
@@ -273,14 +278,9 @@ class SlotTable:
         best: tuple[tuple[float, ...], SlotChoice] | None = None
         holder_seen = False
         slots = self.slots
-        busy = [bool(s.tasks) or s.foreign_until > now for s in slots]  # (``Slot.idle``)
+        busy = self._busy(now)
         any_idle = not all(busy)
-        # What the cache model sees (when some slot is idle: else nothing asks).
-        views = (
-            [SlotView(s.state, b, s.last_used) for s, b in zip(slots, busy, strict=True)]
-            if any_idle
-            else []
-        )
+        views = self._views(busy) if any_idle else []  # (when some slot is idle: else none asks)
         # What placing on an idle slot costs depends only on the tokens it leaves to prefill,
         # which few slots differ in: computed once per distinct value, not once per slot.
         idle_costs: dict[float, tuple[float, float]] = {}
@@ -558,7 +558,7 @@ class SlotTable:
     def _launch(
         self, slot: Slot, task: SlotTask, query: PromptQuery, now: float, outcome: Pick | None
     ) -> None:
-        views = self._views(now)
+        views = self._views(self._busy(now))
         views[slot.id].busy = False
         if outcome is None or outcome.slot != slot.id:
             # A request that waited unpinned for any slot takes the server's unpinned path (its
