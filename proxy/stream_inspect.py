@@ -243,6 +243,30 @@ class StreamInspector:
         route = self.ex.route
         return 1 if plain_token_event(chunk, route) else plain_token_run(chunk, route)
 
+    def forwardable(self, chunk: bytes) -> bool:
+        """Whether ``process`` would forward every event of ``chunk`` (a whole upstream read,
+        nothing of an earlier one left in the splitter) as it came, so that it can reach the
+        client before it is read (``read_forwarded``): nothing is held back, the read ends where
+        an event ends (the splitter then cuts it exactly and keeps nothing), and, where the
+        proxy asked for the usage itself, no event is one the relay holds or removes (a choice
+        finishing, usage)."""
+        if self._held is not None or b"\r" in chunk:
+            return False
+        # "\n\n" the one separator, cut from the left: a run of line breaks ends the read
+        # exactly when it is even ("\n\n\n" leaves one behind, the next event's start).
+        breaks = len(chunk) - len(chunk.rstrip(b"\n"))
+        if breaks < 2 or breaks % 2:
+            return False
+        if not self.ex.strip_usage:
+            return True
+        if b'"usage"' in chunk:
+            return False
+        return chunk.count(b'"finish_reason"') == chunk.count(b'"finish_reason":null')
+
+    def read_forwarded(self, events: list[bytes], now: float) -> None:
+        """``process`` ``events``, which went to the client as they came (``forwardable``)."""
+        self.process_all(events, now, [])
+
     def read_unchanged(self, chunk: bytes, events: int, now: float) -> None:
         """Observe ``chunk``, already forwarded: ``events`` whole plain token events
         (``unchanged``). They are read one by one until the first visible token is timed; the

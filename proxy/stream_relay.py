@@ -36,6 +36,12 @@ from proxy.wire import Answering, Head
 
 log = get_logger()
 
+READ_AFTER_WRITE_S = 0.001
+"""How long after a read up to the first token (``_StreamRelay``) is written to the client it is
+read: its events parsed, the token timed at the read's own time, the first-token hook called.
+Not at once: a client on the same cores is woken by the write and would wait for that work
+before it reads the token (at one stream, a tenth of a millisecond of its time to first token)."""
+
 CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
 
 
@@ -63,10 +69,12 @@ async def relay_stream(
             if relay.error is not None:
                 break
             if relay.gone:
+                relay.read_unread()
                 _client_gone(ex, answering)
                 return resp
             if answering.paused:  # the client is behind: wait for it to take what it has
                 if not await _drained(request, writer, limit):
+                    relay.read_unread()
                     _client_gone(ex, answering)
                     return resp
                 answering.resume()
@@ -77,6 +85,7 @@ async def relay_stream(
             except (wire.WireError, TimeoutError):
                 if relay.error is None and not relay.gone:
                     raise  # the backend's failure; else the read's own, seen at the top
+        relay.read_unread()
         if relay.error is not None:
             # A failure of the proxy's own inside a read (a bug): the stream ends with an
             # error event, as for a backend failure, rather than mid-event.
@@ -90,8 +99,10 @@ async def relay_stream(
         failure = BackendUnavailable("backend closed the stream early")
         ex.error = "backend_disconnected"
     except asyncio.CancelledError:
+        relay.read_unread()
         _client_gone(ex, answering)
         raise
+    relay.read_unread()  # (after a failure: a read left unread, if any)
     splitter, inspector = relay.splitter, relay.inspector
     tail = relay.last  # the read that ended the answer, held to go out with the end
     inspector.finish(tail)
@@ -114,7 +125,12 @@ async def relay_stream(
 class _StreamRelay:
     """A streamed answer's reads, as the connection hands them over (``Answering.deliver``):
     each is inspected and written to the client at once, inside the read's own callback. What
-    needs the relay's coroutine (the client fell behind, went away, an error) wakes it."""
+    needs the relay's coroutine (the client fell behind, went away, an error) wakes it.
+
+    A read that comes before the first token is timed and that the inspector would forward as
+    it came (``StreamInspector.forwardable``: the first token's read, as a rule) is written
+    first and read ``READ_AFTER_WRITE_S`` later, or before the next read, or when the answer
+    ends, whichever comes first (``read_unread``)."""
 
     __slots__ = (
         "answering",
@@ -128,7 +144,9 @@ class _StreamRelay:
         "last",
         "obs",
         "splitter",
+        "timer",
         "transport",
+        "unread",
     )
 
     def __init__(
@@ -145,6 +163,9 @@ class _StreamRelay:
         self.body_started = False
         self.gone = False
         self.error: BaseException | None = None
+        self.unread: tuple[bytes, float] | None = None
+        """A read written but not read yet, and its time (``READ_AFTER_WRITE_S``)."""
+        self.timer: asyncio.TimerHandle | None = None
         self.last: list[bytes] = []
         """What the read that ended the answer leaves to send: it goes out with the end of the
         body, in one write (the relay's coroutine is woken by that read at once)."""
@@ -153,6 +174,8 @@ class _StreamRelay:
         if self.gone or self.error is not None:
             return
         try:
+            if self.unread is not None:  # read in the order they came
+                self._read_unread()
             self._feed(chunk)
         except Exception as exc:  # handed to the relay's coroutine, which raises it
             self.error = exc
@@ -163,8 +186,16 @@ class _StreamRelay:
         splitter, inspector, obs = self.splitter, self.inspector, self.obs
         now = monotonic()
         forwarded_events = 0
+        unread = False
         if not splitter.pending and inspector.plain_chunk(chunk, now):
             data = chunk  # the usual read once the answer is under way: one token event
+        elif (
+            obs.t_first_token is None
+            and not splitter.pending
+            and not self.answering.complete
+            and inspector.forwardable(chunk)
+        ):
+            data, unread = chunk, True  # written now, read a moment later
         elif obs.t_first_visible is None and not splitter.pending:
             # Token events before the first visible one is timed: forwarded as they are
             # whatever they hold, so they go out first and are read after.
@@ -187,10 +218,39 @@ class _StreamRelay:
             if transport.get_write_buffer_size() > self.high:
                 self.answering.pause()
                 self.answering.wake()
+            if unread:
+                self.unread = (chunk, now)
+                loop = asyncio.get_running_loop()
+                self.timer = loop.call_later(READ_AFTER_WRITE_S, self.read_unread)
+                return
         if forwarded_events:
             t0 = monotonic()
             inspector.read_unchanged(chunk, forwarded_events, now)
             obs.inspect_s += monotonic() - t0
+
+    def read_unread(self) -> None:
+        """Read the read left unread, if any (``READ_AFTER_WRITE_S``); a failure is handed to
+        the relay's coroutine, as one inside a read is."""
+        if self.unread is None:
+            return
+        try:
+            self._read_unread()
+        except Exception as exc:
+            self.error = exc
+            self.answering.abort()
+            self.answering.wake()
+
+    def _read_unread(self) -> None:
+        unread, self.unread = self.unread, None
+        assert unread is not None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        chunk, now = unread
+        t0 = monotonic()
+        # (``forwardable``: the splitter cuts it exactly, as it came, and keeps nothing)
+        self.inspector.read_forwarded(list(self.splitter.feed(chunk)), now)
+        self.obs.inspect_s += monotonic() - t0
 
 
 async def _drained(

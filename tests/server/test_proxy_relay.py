@@ -308,3 +308,56 @@ async def test_records_of_overlapping_requests_all_come_and_nothing_stays_held(
     assert not state.writer._ended  # the timer sent them all
     await state.writer.drain()
     assert sorted(r.status for r in records) == [200, 200, 200, 400, 499]
+
+
+@pytest.mark.parametrize("delay_s", [0.001, 30.0])
+async def test_the_first_tokens_read_is_read_a_moment_after_it_is_written(
+    llama_fake: LlamaFake, make_proxy: MakeProxy, monkeypatch: pytest.MonkeyPatch, delay_s: float
+) -> None:
+    """The read carrying the first token goes to the client before it is read: its event is
+    parsed, and the first-token hook called, ``READ_AFTER_WRITE_S`` later (mid-answer here), or
+    before the next read, whichever comes first. The token is timed at its read either way."""
+    from proxy import stream_relay
+    from proxy.state import STATE
+
+    monkeypatch.setattr(stream_relay, "READ_AFTER_WRITE_S", delay_s)
+    llama_fake.knobs.token_delay_s = 0.2
+    client, records, app = await make_proxy(llama_fake.url)
+    async with client.post("/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+        read = b""
+        while b'"content":"Hello"' not in read:
+            assert not resp.content.at_eof()
+            read += await resp.content.readany()
+        await asyncio.sleep(0.05)
+        assert not llama_fake.finished.is_set()  # (mid-answer)
+        # The first-token hook takes the request off the proxy's count of those waiting.
+        assert app[STATE].awaiting_first == (0 if delay_s < 1.0 else 1)
+        await resp.read()
+    record = await records.wait(1)
+    assert app[STATE].awaiting_first == 0
+    assert record.ttft_ms is not None and record.tpot_ms is not None
+    # Timed at its read, not when it was read a token later (0.2 s on).
+    assert record.ttft_ms < record.e2e_ms - 2 * 150
+
+
+async def test_a_first_token_left_unread_is_read_when_the_client_goes(
+    llama_fake: LlamaFake, make_proxy: MakeProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client gone before the first token's read was read: its record still has the token,
+    and no timer is left behind to read it into a finished exchange."""
+    from proxy import stream_relay
+
+    monkeypatch.setattr(stream_relay, "READ_AFTER_WRITE_S", 30.0)
+    llama_fake.knobs.token_delay_s = 0.2
+    client, records, _ = await make_proxy(llama_fake.url)
+    async with client.post("/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+        read = b""
+        while b'"content":"Hello"' not in read:
+            read += await resp.content.readany()
+        resp.close()  # gone mid-answer
+    record = await records.wait(1, limit_s=5.0)
+    assert record.error == "client_disconnected"
+    assert record.ttft_ms is not None
+    loop = asyncio.get_running_loop()
+    timers = [h for h in getattr(loop, "_scheduled", []) if not h.cancelled()]
+    assert not any("read_unread" in repr(h) for h in timers)

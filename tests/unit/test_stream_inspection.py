@@ -145,7 +145,8 @@ def relay_chunks(
 ) -> tuple[Observation, list[bytes]]:
     """The relay's own handling of upstream reads (``proxy.stream_relay._StreamRelay``): a read
     that is nothing but plain token events is counted and forwarded whole (before the first
-    visible token: forwarded, then read), anything else is split."""
+    visible token: forwarded, then read), so is one before the first token that the inspector
+    would forward as it came (forwarded, then read), anything else is split."""
     ex = Exchange(
         request_id="r",
         route=route,
@@ -156,10 +157,22 @@ def relay_chunks(
     )
     inspector, splitter = StreamInspector(ex), EventSplitter()
     out: list[bytes] = []
+    seen: list[bytes]
     for i, chunk in enumerate(chunks):
         now = float(i + 1)
         if not splitter.pending and inspector.plain_chunk(chunk, now):
             out.append(chunk)
+            continue
+        if ex.obs.t_first_token is None and not splitter.pending and inspector.forwardable(chunk):
+            twin = StreamInspector(dataclasses.replace(ex, obs=dataclasses.replace(ex.obs)))
+            seen = []
+            for event in EventSplitter().feed(chunk):
+                twin.process(event, now, seen)
+            assert b"".join(seen) == chunk  # reading it first would have forwarded the same
+            out.append(chunk)
+            inspector.read_forwarded(list(splitter.feed(chunk)), now)
+            assert not splitter.pending
+            assert ex.obs == twin.ex.obs
             continue
         events = 0
         if ex.obs.t_first_visible is None and not splitter.pending:
@@ -167,7 +180,7 @@ def relay_chunks(
         if events:
             # Forwarded first, then read: reading it first would have forwarded the same.
             twin = StreamInspector(dataclasses.replace(ex, obs=dataclasses.replace(ex.obs)))
-            seen: list[bytes] = []
+            seen = []
             for event in EventSplitter().feed(chunk):
                 twin.process(event, now, seen)
             assert b"".join(seen) == chunk
@@ -339,3 +352,35 @@ def test_a_read_with_a_choice_finishing_is_read_before_it_is_forwarded() -> None
     assert not inspector.unchanged(both)
     assert inspector.unchanged(chat_chunk({"content": "a"}))
     assert not inspector.unchanged(chat_chunk({"content": "a"})[:-1])
+
+
+def test_what_may_reach_the_client_before_it_is_read() -> None:
+    """Before the first token: a read of whole events the inspector forwards as they came
+    (the role and the first token, a ping); not one that ends mid-event, holds a carriage
+    return, or, where the proxy asked for the usage itself, carries usage or a choice
+    finishing (the relay holds or removes those)."""
+    role = chat_chunk({"role": "assistant", "content": None})
+    first = role + chat_chunk({"content": "Hel"})
+
+    def inspector(strip_usage: bool) -> StreamInspector:
+        ex = Exchange(
+            request_id="r",
+            route=CHAT,
+            upstream_path=CHAT,
+            obs=Observation(t_start=0.0),
+            dialect=DIALECTS["llamacpp"](),
+            strip_usage=strip_usage,
+        )
+        return StreamInspector(ex)
+
+    for strip in (True, False):
+        assert inspector(strip).forwardable(first)
+        assert inspector(strip).forwardable(b":\n\n")
+        assert not inspector(strip).forwardable(first[:-1])
+        assert not inspector(strip).forwardable(first + b"\n")  # (one left for the next read)
+        assert inspector(strip).forwardable(first + b"\n\n")
+        assert not inspector(strip).forwardable(first.replace(b"\n\n", b"\r\n\r\n"))
+    finishing = chat_chunk({"content": "x"}, finish="stop")
+    assert not inspector(True).forwardable(role + finishing)
+    assert not inspector(True).forwardable(role + usage_event)
+    assert inspector(False).forwardable(role + finishing + usage_event)
