@@ -296,7 +296,7 @@ def _first_token(state: ProxyState, ex: Exchange) -> Callable[[Mapping[str, Any]
     assert ticket is not None
 
     def first_token(event: Mapping[str, Any]) -> None:
-        ticket.first_token(event)
+        ticket.first_token(event, ex.obs.t_first_token)  # (read then, maybe called a moment on)
         _first_out(state, ex)
         if state.after_first is None:
             loop = asyncio.get_running_loop()

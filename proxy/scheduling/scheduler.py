@@ -128,12 +128,13 @@ class Ticket:
     """The replica's slot API, when the request was placed on a slot."""
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def first_token(self, event: Mapping[str, Any]) -> None:
-        """The backend's first token arrived (``event``: the event or response carrying it)."""
+    def first_token(self, event: Mapping[str, Any], at: float | None = None) -> None:
+        """The backend's first token arrived (``event``: the event or response carrying it; ``at``:
+        when it was read, when that was before this is called; else now)."""
         state = self.state
         if state is None:
             return
-        now = monotonic()
+        now = monotonic() if at is None else at
         if self.task is not None and state.table is not None:
             api = self.slot_api
             reported = api.reported_slot(event) if api is not None else None
