@@ -266,6 +266,7 @@ class StreamInspector:
     def read_forwarded(self, events: list[bytes], now: float) -> None:
         """``process`` ``events``, which went to the client as they came (``forwardable``)."""
         self.process_all(events, now, [])
+        self._held = None  # (none is: sent already, it must not go again)
 
     def read_unchanged(self, chunk: bytes, events: int, now: float) -> None:
         """Observe ``chunk``, already forwarded: ``events`` whole plain token events

@@ -69,12 +69,10 @@ async def relay_stream(
             if relay.error is not None:
                 break
             if relay.gone:
-                relay.read_unread()
                 _client_gone(ex, answering)
                 return resp
             if answering.paused:  # the client is behind: wait for it to take what it has
                 if not await _drained(request, writer, limit):
-                    relay.read_unread()
                     _client_gone(ex, answering)
                     return resp
                 answering.resume()
@@ -85,7 +83,7 @@ async def relay_stream(
             except (wire.WireError, TimeoutError):
                 if relay.error is None and not relay.gone:
                     raise  # the backend's failure; else the read's own, seen at the top
-        relay.read_unread()
+        relay.read_unread()  # (a failure of its own ends the stream as one inside a read)
         if relay.error is not None:
             # A failure of the proxy's own inside a read (a bug): the stream ends with an
             # error event, as for a backend failure, rather than mid-event.
@@ -99,10 +97,10 @@ async def relay_stream(
         failure = BackendUnavailable("backend closed the stream early")
         ex.error = "backend_disconnected"
     except asyncio.CancelledError:
-        relay.read_unread()
         _client_gone(ex, answering)
         raise
-    relay.read_unread()  # (after a failure: a read left unread, if any)
+    finally:
+        relay.read_unread(report=True)  # however the relay ends, nothing is left unread
     splitter, inspector = relay.splitter, relay.inspector
     tail = relay.last  # the read that ended the answer, held to go out with the end
     inspector.finish(tail)
@@ -204,11 +202,15 @@ class _StreamRelay:
         else:
             data = _inspect(splitter, inspector, chunk, now)
         obs.inspect_s += monotonic() - now
+        if unread:
+            self.unread = (chunk, now)
         if data and self.answering.complete:
             self.last.append(data)
         elif data:
             transport = self.transport
             if transport.is_closing():
+                if forwarded_events:  # not forwarded after all: read now
+                    inspector.read_unchanged(chunk, forwarded_events, now)
                 self.gone = True
                 self.answering.abort()
                 self.answering.wake()
@@ -219,7 +221,6 @@ class _StreamRelay:
                 self.answering.pause()
                 self.answering.wake()
             if unread:
-                self.unread = (chunk, now)
                 loop = asyncio.get_running_loop()
                 self.timer = loop.call_later(READ_AFTER_WRITE_S, self.read_unread)
                 return
@@ -228,14 +229,17 @@ class _StreamRelay:
             inspector.read_unchanged(chunk, forwarded_events, now)
             obs.inspect_s += monotonic() - t0
 
-    def read_unread(self) -> None:
+    def read_unread(self, *, report: bool = False) -> None:
         """Read the read left unread, if any (``READ_AFTER_WRITE_S``); a failure is handed to
-        the relay's coroutine, as one inside a read is."""
+        the relay's coroutine, as one inside a read is (``report``: and logged here, where the
+        coroutine is past looking)."""
         if self.unread is None:
             return
         try:
             self._read_unread()
         except Exception as exc:
+            if report:
+                log.error("relay_failed", exc_info=exc)
             self.error = exc
             self.answering.abort()
             self.answering.wake()

@@ -134,11 +134,10 @@ class Ticket:
         state = self.state
         if state is None:
             return
-        now = monotonic() if at is None else at
         if self.task is not None and state.table is not None:
             api = self.slot_api
             reported = api.reported_slot(event) if api is not None else None
-            state.table.first_token(self.task, now, reported)
+            state.table.first_token(self.task, monotonic(), reported, at=at)
             if self.task.slot is not None:
                 self.slot = self.task.slot
         if self.leader is not None:

@@ -241,14 +241,22 @@ class SlotTable(SlotWeighing):
             self.recent.append(task.state)
             self.continuations.observe(task.state, continued=False)
 
-    def first_token(self, task: SlotTask, now: float, reported_slot: int | None = None) -> None:
-        """The backend answered ``task``'s first token (and said which slot, if it did).
+    def first_token(
+        self,
+        task: SlotTask,
+        now: float,
+        reported_slot: int | None = None,
+        *,
+        at: float | None = None,
+    ) -> None:
+        """The backend answered ``task``'s first token (and said which slot, if it did); ``at``:
+        when the token was read, if before ``now``.
 
         Only stamps the task when it is where the model put it: a launch left for later stays
         pending (``settle``), so that the token reaches its client before that work is done
         (``Scheduler.settle``, a moment after, or the table's next use)."""
         if task.t_first_token is None:
-            task.t_first_token = now
+            task.t_first_token = now if at is None else at
         if reported_slot is None or not self.slots or task.slot == reported_slot:
             return
         self.settle()

@@ -336,8 +336,9 @@ async def test_the_first_tokens_read_is_read_a_moment_after_it_is_written(
     record = await records.wait(1)
     assert app[STATE].awaiting_first == 0
     assert record.ttft_ms is not None and record.tpot_ms is not None
-    # Timed at its read, not when it was read a token later (0.2 s on).
-    assert record.ttft_ms < record.e2e_ms - 2 * 150
+    # Timed at its read (four gaps of 0.2 s before the end), not when it was read a token
+    # later (three).
+    assert record.e2e_ms - record.ttft_ms > 700
 
 
 async def test_a_first_token_left_unread_is_read_when_the_client_goes(

@@ -593,7 +593,7 @@ def test_a_launch_left_for_later_is_applied_before_the_table_is_read() -> None:
     held, taken = table.slots[first[1].slot], table.slots[second[1].slot]
     assert held.state is not None and not table.ram.entries and table._pending_launch is not None
     assert not taken.idle(2.0) and second[0].pick is second[1].pick
-    table.first_token(second[0], 2.01)
+    table.first_token(second[0], 2.02, at=2.01)  # (read at 2.01, told a moment on)
     assert second[0].t_first_token == 2.01 and table._pending_launch is not None
     table.live_conversations(2.02)
     assert table._pending_launch is None and held.state is None
