@@ -327,6 +327,19 @@ def test_a_read_cut_inside_an_event_is_never_forwarded_twice(dialect: str) -> No
     assert next(iter(EventSplitter().feed(forwarded))) == first
 
 
+def chat_inspector(*, strip_usage: bool = True) -> StreamInspector:
+    """A fresh chat stream's inspector (llama.cpp), the proxy having asked for the usage or not."""
+    ex = Exchange(
+        request_id="r",
+        route=CHAT,
+        upstream_path=CHAT,
+        obs=Observation(t_start=0.0),
+        dialect=DIALECTS["llamacpp"](),
+        strip_usage=strip_usage,
+    )
+    return StreamInspector(ex)
+
+
 def test_a_read_with_a_choice_finishing_is_read_before_it_is_forwarded() -> None:
     """One choice still streaming, another finishing (``n`` > 1): the finishing event may be
     held back (the usage event the proxy asked for comes after it), so it is read first."""
@@ -339,15 +352,7 @@ def test_a_read_with_a_choice_finishing_is_read_before_it_is_forwarded() -> None
             "object": "chat.completion.chunk",
         }
     )
-    ex = Exchange(
-        request_id="r",
-        route=CHAT,
-        upstream_path=CHAT,
-        obs=Observation(t_start=0.0),
-        dialect=DIALECTS["llamacpp"](),
-        strip_usage=True,
-    )
-    inspector = StreamInspector(ex)
+    inspector = chat_inspector()
     assert plain_token_event(both, CHAT)  # the byte check alone would take it
     assert not inspector.unchanged(both)
     assert inspector.unchanged(chat_chunk({"content": "a"}))
@@ -363,15 +368,7 @@ def test_what_may_reach_the_client_before_it_is_read() -> None:
     first = role + chat_chunk({"content": "Hel"})
 
     def inspector(strip_usage: bool) -> StreamInspector:
-        ex = Exchange(
-            request_id="r",
-            route=CHAT,
-            upstream_path=CHAT,
-            obs=Observation(t_start=0.0),
-            dialect=DIALECTS["llamacpp"](),
-            strip_usage=strip_usage,
-        )
-        return StreamInspector(ex)
+        return chat_inspector(strip_usage=strip_usage)
 
     for strip in (True, False):
         assert inspector(strip).forwardable(first)
