@@ -231,18 +231,6 @@ class StreamInspector:
         obs.token_events += events
         return True
 
-    def unchanged(self, chunk: bytes) -> int:
-        """How many whole token events ``chunk`` (a whole upstream read) is when ``process``
-        would forward them as they are, else 0: nothing is held back, the read ends where an
-        event ends, and each is a plain token event (no usage, timings, error or finish to act
-        on), so it can reach the client before it is read (``read_unchanged``)."""
-        if self._held is not None or b"\r" in chunk or not chunk.endswith(b"\n\n"):
-            return 0  # only whole events, which the splitter then cuts exactly as they came
-        if b'"finish_reason":"' in chunk:
-            return 0  # a choice finishing (among several) may be held back
-        route = self.ex.route
-        return 1 if plain_token_event(chunk, route) else plain_token_run(chunk, route)
-
     def forwardable(self, chunk: bytes) -> bool:
         """Whether ``process`` would forward every event of ``chunk`` (a whole upstream read,
         nothing of an earlier one left in the splitter) as it came, so that it can reach the
@@ -267,20 +255,6 @@ class StreamInspector:
         """``process`` ``events``, which went to the client as they came (``forwardable``)."""
         self.process_all(events, now, [])
         self._held = None  # (none is: sent already, it must not go again)
-
-    def read_unchanged(self, chunk: bytes, events: int, now: float) -> None:
-        """Observe ``chunk``, already forwarded: ``events`` whole plain token events
-        (``unchanged``). They are read one by one until the first visible token is timed; the
-        rest are only counted, as ``process`` would count them."""
-        obs = self.ex.obs
-        parts = chunk.split(b"\n\n")  # no "\r": exactly the splitter's cuts (plain_token_run)
-        seen: list[bytes] = []
-        for i in range(events):
-            if obs.t_first_visible is not None:
-                obs.t_last_token = now
-                obs.token_events += events - i
-                return
-            self.process(parts[i] + b"\n\n", now, seen)
 
     def _count_token(self, now: float) -> None:
         """A plain token event passed: it is the latest token, and one more."""

@@ -125,10 +125,10 @@ class _StreamRelay:
     each is inspected and written to the client at once, inside the read's own callback. What
     needs the relay's coroutine (the client fell behind, went away, an error) wakes it.
 
-    A read that comes before the first token is timed and that the inspector would forward as
-    it came (``StreamInspector.forwardable``: the first token's read, as a rule) is written
-    first and read ``READ_AFTER_WRITE_S`` later, or before the next read, or when the answer
-    ends, whichever comes first (``read_unread``)."""
+    Up to the first visible token, a read the inspector would forward as it came
+    (``StreamInspector.forwardable``) is written first and read after it: at once, or, the one
+    that carries the first token, ``READ_AFTER_WRITE_S`` later, before the next read, or when
+    the answer ends, whichever comes first (``read_unread``)."""
 
     __slots__ = (
         "answering",
@@ -183,34 +183,19 @@ class _StreamRelay:
     def _feed(self, chunk: bytes) -> None:
         splitter, inspector, obs = self.splitter, self.inspector, self.obs
         now = monotonic()
-        forwarded_events = 0
-        unread = False
         if not splitter.pending and inspector.plain_chunk(chunk, now):
             data = chunk  # the usual read once the answer is under way: one token event
-        elif (
-            obs.t_first_token is None
-            and not splitter.pending
-            and not self.answering.complete
-            and inspector.forwardable(chunk)
-        ):
-            data, unread = chunk, True  # written now, read a moment later
-        elif obs.t_first_visible is None and not splitter.pending:
-            # Token events before the first visible one is timed: forwarded as they are
-            # whatever they hold, so they go out first and are read after.
-            forwarded_events = inspector.unchanged(chunk)
-            data = chunk if forwarded_events else _inspect(splitter, inspector, chunk, now)
+        elif obs.t_first_visible is None and not splitter.pending and inspector.forwardable(chunk):
+            data = chunk  # goes out as it came, read after (the class docstring)
+            self.unread = (chunk, now)
         else:
             data = _inspect(splitter, inspector, chunk, now)
         obs.inspect_s += monotonic() - now
-        if unread:
-            self.unread = (chunk, now)
         if data and self.answering.complete:
             self.last.append(data)
         elif data:
             transport = self.transport
-            if transport.is_closing():
-                if forwarded_events:  # not forwarded after all: read now
-                    inspector.read_unchanged(chunk, forwarded_events, now)
+            if transport.is_closing():  # (a read left unread is read as the relay ends)
                 self.gone = True
                 self.answering.abort()
                 self.answering.wake()
@@ -220,14 +205,12 @@ class _StreamRelay:
             if transport.get_write_buffer_size() > self.high:
                 self.answering.pause()
                 self.answering.wake()
-            if unread:
+            if self.unread is not None and obs.t_first_token is None:
                 loop = asyncio.get_running_loop()
                 self.timer = loop.call_later(READ_AFTER_WRITE_S, self.read_unread)
                 return
-        if forwarded_events:
-            t0 = monotonic()
-            inspector.read_unchanged(chunk, forwarded_events, now)
-            obs.inspect_s += monotonic() - t0
+        if self.unread is not None:
+            self._read_unread()
 
     def read_unread(self, *, report: bool = False) -> None:
         """Read the read left unread, if any (``READ_AFTER_WRITE_S``); a failure is handed to

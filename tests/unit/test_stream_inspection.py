@@ -144,9 +144,9 @@ def relay_chunks(
     chunks: list[bytes], route: str, dialect: str, *, first_visible: float | None = None
 ) -> tuple[Observation, list[bytes]]:
     """The relay's own handling of upstream reads (``proxy.stream_relay._StreamRelay``): a read
-    that is nothing but plain token events is counted and forwarded whole (before the first
-    visible token: forwarded, then read), so is one before the first token that the inspector
-    would forward as it came (forwarded, then read), anything else is split."""
+    that is nothing but plain token events once the first visible token is timed is counted and
+    forwarded whole; before it, one the inspector would forward as it came is forwarded, then
+    read; anything else is split."""
     ex = Exchange(
         request_id="r",
         route=route,
@@ -163,21 +163,7 @@ def relay_chunks(
         if not splitter.pending and inspector.plain_chunk(chunk, now):
             out.append(chunk)
             continue
-        if ex.obs.t_first_token is None and not splitter.pending and inspector.forwardable(chunk):
-            twin = StreamInspector(dataclasses.replace(ex, obs=dataclasses.replace(ex.obs)))
-            seen = []
-            for event in EventSplitter().feed(chunk):
-                twin.process(event, now, seen)
-            assert b"".join(seen) == chunk  # reading it first would have forwarded the same
-            out.append(chunk)
-            inspector.read_forwarded(list(splitter.feed(chunk)), now)
-            assert not splitter.pending
-            assert ex.obs == twin.ex.obs
-            continue
-        events = 0
-        if ex.obs.t_first_visible is None and not splitter.pending:
-            events = inspector.unchanged(chunk)
-        if events:
+        if ex.obs.t_first_visible is None and not splitter.pending and inspector.forwardable(chunk):
             # Forwarded first, then read: reading it first would have forwarded the same.
             twin = StreamInspector(dataclasses.replace(ex, obs=dataclasses.replace(ex.obs)))
             seen = []
@@ -185,7 +171,8 @@ def relay_chunks(
                 twin.process(event, now, seen)
             assert b"".join(seen) == chunk
             out.append(chunk)
-            inspector.read_unchanged(chunk, events, now)
+            inspector.read_forwarded(list(splitter.feed(chunk)), now)
+            assert not splitter.pending
             assert ex.obs == twin.ex.obs  # and observed the same as reading each event
             continue
         inspector.process_all(list(splitter.feed(chunk)), now, out)
@@ -354,9 +341,9 @@ def test_a_read_with_a_choice_finishing_is_read_before_it_is_forwarded() -> None
     )
     inspector = chat_inspector()
     assert plain_token_event(both, CHAT)  # the byte check alone would take it
-    assert not inspector.unchanged(both)
-    assert inspector.unchanged(chat_chunk({"content": "a"}))
-    assert not inspector.unchanged(chat_chunk({"content": "a"})[:-1])
+    assert not inspector.forwardable(both)
+    assert inspector.forwardable(chat_chunk({"content": "a"}))
+    assert not inspector.forwardable(chat_chunk({"content": "a"})[:-1])
 
 
 def test_what_may_reach_the_client_before_it_is_read() -> None:
