@@ -257,6 +257,8 @@ class SlotWeighing:
                 if matched < useful_tokens:
                     continue  # waiting is worth it only for a prefix; the server places the rest
                 holder_seen = True
+                if self._pin_disturbs(slot, query):
+                    continue  # pinned there, the server would swap the running sequence out
                 uncached = req.prompt_tokens - matched
                 end = self.free_at(slot, now, rates, prefills()) + uncached * p + decode_s
                 key = (end, -matched, 1.0 if slot.content else 0.0, slot.last_used, float(slot.id))

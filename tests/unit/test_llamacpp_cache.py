@@ -707,3 +707,30 @@ def test_crowded_counts_prompts_without_a_fingerprint_and_is_asked_once_per_choi
         assert table.crowded(now) is first
     finally:
         table._choosing, table._crowd = False, None
+
+
+def test_no_queue_behind_a_busy_slot_the_server_would_swap_out() -> None:
+    """Similarity on: a request pinned to a busy slot makes the server save the running
+    sequence and load the best cached prompt for the request into that slot. When the RAM cache
+    holds a prompt that beats the running one for this request (its own conversation), the
+    request is not queued behind the slot that shares its prefix (docs/llamacpp-cache.md)."""
+    table = SlotTable(2, 4096, rules=ServerRules())
+
+    def run_on(slot: int, hashes: tuple[int, ...], now: float) -> SlotTask:
+        req = SlotRequest(hashes, len(hashes) * TPB + 10, 16.0, TPB)
+        views = table._views(table._busy(now))
+        outcome = pick(views, table.ram, req.query(), table.counter, pinned=slot, rules=table.rules)
+        task = SlotTask(hashes, req.prompt_tokens, req.prompt_tokens, 16.0, now)
+        task.query = req.query()
+        table.place(task, slot, now, outcome)
+        table.first_token(task, now + 0.01)
+        return task
+
+    mine = run_on(0, chain(1, 6, tail=3, tail_blocks=2), 1.0)
+    table.end(mine, 1.5, ok=True)
+    run_on(1, chain(1, 6, tail=2, tail_blocks=2), 2.0)  # (my conversation saved to RAM)
+    run_on(0, chain(5, 8), 2.02)  # every slot busy; slot 1 shares my next turn's first 6 blocks
+    assert chain(1, 6, tail=3, tail_blocks=2) in [e.hashes for e in table.ram.entries]
+    nxt = SlotRequest(chain(1, 6, tail=3, tail_blocks=3), 9 * TPB + 10, 16.0, TPB)
+    choice = table.choose(nxt, CPU, 2.1, useful_tokens=256)
+    assert choice.reason != "slot_queue" and choice.slot is None
