@@ -76,18 +76,55 @@ def plain_token_event(event: bytes, route: str) -> bool:
         # Not one data line ending in a blank line ("\n\n"); a read may also stop one line
         # break short of it (the event's end comes with the next read).
         return False
-    if route == NATIVE_COMPLETION:
-        if b'"stop":false' not in event:
-            return False
-        patterns = _NATIVE_TOKENS
-    else:
-        if b'"finish_reason":null' not in event:
-            return False
-        patterns = _TEXT_TOKENS if route == COMPLETIONS else _CHAT_TOKENS
+    marker, patterns = _data_patterns(route)
+    if marker not in event:
+        return False
     for key in _NEWS:
         if key in event:
             return False
     return _carries_token(event, patterns)
+
+
+def _data_patterns(route: str) -> tuple[bytes, tuple[bytes, ...]]:
+    """A plain data event's marker (nothing finishes) and token keys on ``route``."""
+    if route == NATIVE_COMPLETION:
+        return b'"stop":false', _NATIVE_TOKENS
+    return b'"finish_reason":null', _TEXT_TOKENS if route == COMPLETIONS else _CHAT_TOKENS
+
+
+def token_shape(event: bytes, route: str) -> tuple[bytes, bytes] | None:
+    """``event`` (one ``plain_token_event`` passes) cut around the text of the token it
+    carries: the bytes before the string's first character, and from its closing quote on.
+    None when the token is not a string (a tool call's delta).
+
+    Any event that is the same two parts around other text, with no quote, no line break and
+    no backslash at its end, is then plain too: it is the same JSON with another string in the
+    same place (``StreamInspector`` compares that instead of testing each event whole).
+    """
+    api = _API_TOKENS.get(route)
+    patterns = (api[1],) if api is not None else _data_patterns(route)[1]
+    for pattern in patterns:
+        at = event.find(pattern)
+        start = at + len(pattern)
+        if at < 0 or event[start : start + 1] in (b'"', b"]"):
+            continue
+        if not pattern.endswith(b'"'):
+            return None  # (a tool call's array)
+        end = start
+        while True:  # the closing quote: one not escaped by an odd run of backslashes
+            end = event.find(b'"', end)
+            if end < 0:
+                return None
+            run = end
+            while event[run - 1] == _BACKSLASH:
+                run -= 1
+            if (end - run) % 2 == 0:
+                return event[:start], event[end:]
+            end += 1
+    return None
+
+
+_BACKSLASH = ord("\\")
 
 
 def _carries_token(event: bytes, patterns: tuple[bytes, ...]) -> bool:
@@ -144,16 +181,38 @@ class StreamInspector:
     event (``plain_token_event``) is only counted, and everything else is still parsed.
     """
 
-    __slots__ = ("_held", "ex")
+    __slots__ = ("_held", "_shape", "ex")
 
     def __init__(self, ex: Exchange) -> None:
         self.ex = ex
         self._held: tuple[bytes, dict[str, Any]] | None = None
+        self._shape: tuple[bytes, bytes] | None = None
+        """The latest plain token event's ``token_shape``: the next ones are compared with it
+        (a backend writes every token event of a stream alike but for its text)."""
 
-    def process(self, event: bytes, now: float, out: list[bytes]) -> None:
-        """Observe ``event`` and append what should reach the client to ``out``."""
+    def _plain(self, event: bytes) -> bool:
+        """``plain_token_event``: by ``_shape`` when the event has it, else tested whole (and
+        then its shape kept)."""
+        shape = self._shape
+        if shape is not None:
+            head, tail = shape
+            if event.startswith(head) and event.endswith(tail):
+                text = event[len(head) : len(event) - len(tail)]
+                if text and b'"' not in text and b"\n" not in text and not text.endswith(b"\\"):
+                    return True
+        route = self.ex.route
+        if not plain_token_event(event, route):
+            return False
+        self._shape = token_shape(event, route)
+        return True
+
+    def process(
+        self, event: bytes, now: float, out: list[bytes], *, not_plain: bool = False
+    ) -> None:
+        """Observe ``event`` and append what should reach the client to ``out`` (``not_plain``:
+        ``_plain`` has said no to it already)."""
         ex, obs = self.ex, self.ex.obs
-        if obs.t_first_visible is not None and plain_token_event(event, ex.route):
+        if not not_plain and obs.t_first_visible is not None and self._plain(event):
             self._count_token(now)
             self._release(out)
             out.append(event)
@@ -195,20 +254,22 @@ class StreamInspector:
     def process_all(self, events: list[bytes], now: float, out: list[bytes]) -> None:
         """``process`` each of ``events`` (one read's, in order); a run of plain token events
         once the first visible token is timed is counted at once, as ``process`` counts each."""
-        obs, route = self.ex.obs, self.ex.route
+        obs, plain = self.ex.obs, self._plain
         i, n = 0, len(events)
         while i < n:
             if obs.t_first_visible is not None and self._held is None:
                 j = i
-                while j < n and plain_token_event(events[j], route):
+                while j < n and plain(events[j]):
                     j += 1
                 if j > i:
                     obs.t_last_token = now
                     obs.token_events += j - i
                     out += events[i:j]
                     i = j
-                    continue
-            self.process(events[i], now, out)
+                if i < n:  # one that is not plain: parsed, not tested again
+                    self.process(events[i], now, out, not_plain=True)
+            else:
+                self.process(events[i], now, out)
             i += 1
 
     def plain_chunk(self, chunk: bytes, now: float) -> bool:
@@ -220,7 +281,7 @@ class StreamInspector:
         obs = self.ex.obs
         if self._held is not None or obs.t_first_visible is None:
             return False
-        if b"\r" not in chunk and plain_token_event(chunk, self.ex.route):
+        if b"\r" not in chunk and self._plain(chunk):
             # One event, unless a "\r\r" inside is a separator the splitter would cut at.
             events = 1
         else:

@@ -13,12 +13,17 @@ from hypothesis import strategies as st
 
 import proxy.stream_inspect as stream_inspect
 from proxy.backends import DIALECTS
-from proxy.backends.apis import RESPONSES
+from proxy.backends.apis import MESSAGES, RESPONSES
 from proxy.backends.base import CHAT, COMPLETIONS, NATIVE_COMPLETION
 from proxy.exchange import Exchange
 from proxy.records import Observation
 from proxy.sse import EventSplitter
-from proxy.stream_inspect import StreamInspector, plain_token_event, plain_token_run
+from proxy.stream_inspect import (
+    StreamInspector,
+    plain_token_event,
+    plain_token_run,
+    token_shape,
+)
 
 
 def sse(obj: Any) -> bytes:
@@ -197,6 +202,104 @@ def test_a_run_of_plain_events() -> None:
     native = sse({"content": "lo", "stop": False, "id_slot": 0, "tokens": []})
     assert plain_token_run(native * 3, NATIVE_COMPLETION) == 3
     assert plain_token_run(native + sse({"content": "", "stop": False}), NATIVE_COMPLETION) == 0
+
+
+def test_a_token_events_shape_is_the_bytes_around_its_text() -> None:
+    native = sse({"content": "lo", "stop": False, "id_slot": 0, "tokens": []})
+    text = sse({"choices": [{"text": "lo", "index": 0, "finish_reason": None}], "model": "m"})
+    responses = b'event: response.output_text.delta\ndata: {"delta":"lo","item_id":"i"}\n\n'
+    messages = (
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"text_delta","text":"lo"}}\n\n'
+    )
+    for event, route in (
+        (chat_chunk({"content": "lo"}), CHAT),
+        (chat_chunk({"reasoning_content": "lo"}), CHAT),
+        (chat_chunk({"content": "", "reasoning_content": "lo"}), CHAT),
+        (text, COMPLETIONS),
+        (native, NATIVE_COMPLETION),
+        (responses, RESPONSES),
+        (messages, MESSAGES),
+    ):
+        assert plain_token_event(event, route)
+        shape = token_shape(event, route)
+        assert shape is not None
+        head, tail = shape
+        assert head + b"lo" + tail == event, route
+    # The closing quote is the first one no odd run of backslashes escapes.
+    for content in ('say "hi"', "a\\", 'a\\"b', "\\\\"):
+        event = chat_chunk({"content": content})
+        shape = token_shape(event, CHAT)
+        assert shape is not None
+        head, tail = shape
+        assert orjson.loads(b'"' + event[len(head) : len(event) - len(tail)] + b'"') == content
+    assert token_shape(chat_chunk({"tool_calls": [{"index": 0}]}), CHAT) is None
+
+
+def test_the_next_token_events_are_compared_with_the_shape_not_tested_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ex = Exchange(
+        request_id="r",
+        route=CHAT,
+        upstream_path=CHAT,
+        obs=Observation(t_start=0.0, t_first_token=1.0, t_first_visible=1.0),
+        dialect=DIALECTS["llamacpp"](),
+    )
+    inspector = StreamInspector(ex)
+    assert inspector.plain_chunk(chat_chunk({"content": "Hel"}), 2.0)
+
+    def tested(event: bytes, route: str) -> bool:
+        raise AssertionError("tested whole")
+
+    monkeypatch.setattr(stream_inspect, "plain_token_event", tested)
+    assert inspector.plain_chunk(chat_chunk({"content": "lo, wor"}), 3.0)
+    assert inspector.plain_chunk(chat_chunk({"content": "ld \\n"}), 4.0)
+    assert ex.obs.token_events == 3
+    with pytest.raises(AssertionError, match="tested whole"):  # a quote in it: tested whole
+        inspector.plain_chunk(chat_chunk({"content": 'a "b"'}), 5.0)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.text(max_size=6),
+    st.lists(st.text(alphabet=st.sampled_from('ab "\\\n\u00e9{}:,usagerror'), max_size=8)),
+    st.sampled_from(["content", "reasoning_content"]),
+)
+def test_an_event_of_a_known_shape_is_a_plain_token_event(
+    first: str, texts: list[str], key: str
+) -> None:
+    """What the inspector takes as plain by a stream's token shape is a token event of the same
+    JSON, another text in the same place: never usage, a finish, or anything else."""
+    ex = Exchange(
+        request_id="r",
+        route=CHAT,
+        upstream_path=CHAT,
+        obs=Observation(t_start=0.0, t_first_token=1.0, t_first_visible=1.0),
+        dialect=DIALECTS["llamacpp"](),
+    )
+    inspector = StreamInspector(ex)
+    inspector.plain_chunk(chat_chunk({key: first}), 2.0)  # a shape, when that one is plain
+    for text in texts:
+        event = chat_chunk({key: text})
+        if inspector._plain(event):
+            # (taken by its shape alone, or tested whole: then a text that reads like a key,
+            # "usage", is parsed instead, and counted the same)
+            obj = orjson.loads(event[len(b"data: ") :])
+            assert text
+            assert obj["choices"] == [{"finish_reason": None, "index": 0, "delta": {key: text}}]
+            assert obj.keys() == {"choices", "created", "id", "model", "object"}
+        else:
+            assert not plain_token_event(event, CHAT)
+    for other in (
+        chat_chunk({key: "x"}, finish="stop"),
+        chat_chunk({key: "x"}, usage={"prompt_tokens": 3}),
+        chat_chunk({key: "x"}, timings={"prompt_n": 3}),
+        chat_chunk({key: ""}),
+        sse({"error": {"message": "boom"}}),
+        b"data: [DONE]\n\n",
+    ):
+        assert not inspector._plain(other)
 
 
 mostly_plain = st.one_of(
