@@ -340,4 +340,4 @@ def _finishes(obj: Mapping[str, Any]) -> bool:
     choices = obj.get("choices")
     if not isinstance(choices, list):
         return False
-    return any(isinstance(c, Mapping) and c.get("finish_reason") for c in choices)
+    return any(isinstance(c, dict) and c.get("finish_reason") for c in choices)

@@ -60,10 +60,10 @@ def read_responses_usage(usage: Mapping[str, Any], obs: Observation) -> None:
     obs.prompt_tokens = as_count(usage.get("input_tokens"))
     obs.completion_tokens = as_count(usage.get("output_tokens"))
     details = usage.get("input_tokens_details")
-    if isinstance(details, Mapping):
+    if isinstance(details, dict):
         obs.cached_tokens = as_count(details.get("cached_tokens"))
     out_details = usage.get("output_tokens_details")
-    if isinstance(out_details, Mapping):
+    if isinstance(out_details, dict):
         obs.reasoning_tokens = as_count(out_details.get("reasoning_tokens"))
 
 
@@ -85,7 +85,7 @@ def read_messages_usage(usage: Mapping[str, Any], obs: Observation) -> None:
 def read_api_response(route: str, obj: Mapping[str, Any], obs: Observation) -> None:
     """Usage out of a complete (non-streamed) Responses or Messages answer."""
     usage = obj.get("usage")
-    if not isinstance(usage, Mapping):
+    if not isinstance(usage, dict):
         return
     if route == RESPONSES:
         read_responses_usage(usage, obs)
@@ -110,8 +110,8 @@ def _responses_event(kind: Any, obj: Mapping[str, Any], obs: Observation) -> Eve
         return EventKind.TOKEN if nonempty(obj.get("delta")) else EventKind.OTHER
     if kind in RESPONSES_FINAL:
         response = obj.get("response")
-        usage = response.get("usage") if isinstance(response, Mapping) else None
-        if isinstance(usage, Mapping):
+        usage = response.get("usage") if isinstance(response, dict) else None
+        if isinstance(usage, dict):
             read_responses_usage(usage, obs)
         return EventKind.ERROR if kind == "response.failed" else EventKind.OTHER
     if kind == "error" or (kind is None and "error" in obj):
@@ -122,7 +122,7 @@ def _responses_event(kind: Any, obj: Mapping[str, Any], obs: Observation) -> Eve
 def _messages_event(kind: Any, obj: Mapping[str, Any], obs: Observation) -> EventKind:
     if kind == "content_block_delta":
         delta = obj.get("delta")
-        if not isinstance(delta, Mapping):
+        if not isinstance(delta, dict):
             return EventKind.OTHER
         dtype = delta.get("type")
         if type(dtype) is not str:
@@ -135,13 +135,13 @@ def _messages_event(kind: Any, obj: Mapping[str, Any], obs: Observation) -> Even
         return EventKind.OTHER
     if kind == "message_start":
         message = obj.get("message")
-        usage = message.get("usage") if isinstance(message, Mapping) else None
-        if isinstance(usage, Mapping):
+        usage = message.get("usage") if isinstance(message, dict) else None
+        if isinstance(usage, dict):
             read_messages_usage(usage, obs)
         return EventKind.OTHER
     if kind == "message_delta":
         usage = obj.get("usage")
-        if isinstance(usage, Mapping):
+        if isinstance(usage, dict):
             read_messages_usage(usage, obs)
         return EventKind.OTHER
     # ``event: error``: Anthropic's ``{"type": "error", ...}``; llama-server sends its own error

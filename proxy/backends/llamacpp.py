@@ -47,7 +47,7 @@ class LlamaCppDialect(Dialect):
 
     def read_timings(self, obj: Mapping[str, Any], obs: Observation) -> None:
         timings = obj.get("timings")
-        if not isinstance(timings, Mapping):
+        if not isinstance(timings, dict):
             return
         cache_n = as_count(timings.get("cache_n"))
         prompt_n = as_count(timings.get("prompt_n"))
