@@ -74,6 +74,13 @@ class EventSplitter:
 
 def event_data(event: bytes) -> bytes | None:
     """The joined ``data:`` payload of one event, or None for comment-only events."""
+    if (
+        event.startswith(b"data: ")
+        and event.find(b"\n") == len(event) - 2
+        and event.endswith(b"\n\n")
+        and b"\r" not in event
+    ):
+        return event[6:-2]  # the usual event: one data line (what the lines below give)
     if b"data" not in event:
         return None
     parts: list[bytes] = []

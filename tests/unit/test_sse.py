@@ -65,6 +65,23 @@ def test_event_data() -> None:
     assert event_data(b"id: 3\n\n") is None
 
 
+def reference_data(event: bytes) -> bytes | None:
+    """``event_data`` by its lines alone: every ``data:`` line, one leading space dropped."""
+    parts = [
+        line[6:] if line.startswith(b"data: ") else line[5:]
+        for line in event.splitlines()
+        if line.startswith(b"data:")
+    ]
+    return b"\n".join(parts) if parts else None
+
+
+@given(st.lists(st.sampled_from([b"data: ", b"data:", b"x", b"{}", b" ", b"\n", b"\r", b":"])))
+def test_event_data_is_its_lines_data(pieces: list[bytes]) -> None:
+    event = b"".join(pieces)
+    for whole in (event, event + b"\n\n", b"data: " + event + b"\n\n"):
+        assert event_data(whole) == reference_data(whole)
+
+
 def reference_split(stream: bytes) -> tuple[list[bytes], bytes]:
     """Every event by the separator pattern alone, over the whole stream at once."""
     events, pos = [], 0
