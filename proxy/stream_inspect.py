@@ -4,7 +4,9 @@
 reads usage and timings, and drops the usage-only event the proxy asked for on the client's
 behalf (moving llama.cpp's ``timings`` back onto the finishing event). ``plain_token_event`` and
 ``plain_token_run`` recognise, from bytes alone, events whose only news is that a token arrived,
-so that most of a stream is never parsed. The relay (``proxy.relay``) owns the sockets.
+so that most of a stream is never parsed; once one has passed, the stream's next token events are
+compared with its ``token_shape`` (the same bytes around another text) rather than tested whole.
+The relay (``proxy.relay``) owns the sockets.
 """
 
 from __future__ import annotations
