@@ -101,7 +101,9 @@ def token_shape(event: bytes, route: str) -> tuple[bytes, bytes] | None:
 
     Any event that is the same two parts around other text, with no quote, no line break and
     no backslash at its end, is then plain too: it is the same JSON with another string in the
-    same place (``StreamInspector`` compares that instead of testing each event whole).
+    same place (``StreamInspector`` compares that instead of testing each event whole). As with
+    the byte test, the string itself is not checked: a backend's malformed escape is counted
+    as a token, not parsed and refused.
     """
     api = _API_TOKENS.get(route)
     patterns = (api[1],) if api is not None else _data_patterns(route)[1]
@@ -127,6 +129,11 @@ def token_shape(event: bytes, route: str) -> tuple[bytes, bytes] | None:
 
 
 _BACKSLASH = ord("\\")
+
+SHAPE_MISSES = 3
+"""Plain token events in a row a stream's shape may miss before it is given up
+(``StreamInspector._plain``): "created", a second's clock in llama-server's chat events, moves
+now and then; a field that moves with every event never lets a shape hold."""
 
 
 def _carries_token(event: bytes, patterns: tuple[bytes, ...]) -> bool:
@@ -183,14 +190,19 @@ class StreamInspector:
     event (``plain_token_event``) is only counted, and everything else is still parsed.
     """
 
-    __slots__ = ("_held", "_shape", "ex")
+    __slots__ = ("_held", "_misses", "_shape", "ex")
 
     def __init__(self, ex: Exchange) -> None:
         self.ex = ex
         self._held: tuple[bytes, dict[str, Any]] | None = None
         self._shape: tuple[bytes, bytes] | None = None
         """The latest plain token event's ``token_shape``: the next ones are compared with it
-        (a backend writes every token event of a stream alike but for its text)."""
+        (a backend writes a stream's token events alike but for their text)."""
+        self._misses = 0
+        """Plain token events in a row tested whole (no shape yet, or the shape missed them);
+        at ``SHAPE_MISSES`` the stream's events differ elsewhere too (llama.cpp's native
+        ``tokens``, the Responses API's ``sequence_number``) or carry no text (tool calls), and
+        each is tested whole from then on, no shape kept."""
 
     def _plain(self, event: bytes) -> bool:
         """``plain_token_event``: by ``_shape`` when the event has it, else tested whole (and
@@ -201,11 +213,15 @@ class StreamInspector:
             if event.startswith(head) and event.endswith(tail):
                 text = event[len(head) : len(event) - len(tail)]
                 if text and b'"' not in text and b"\n" not in text and not text.endswith(b"\\"):
+                    if self._misses:
+                        self._misses = 0
                     return True
         route = self.ex.route
         if not plain_token_event(event, route):
             return False
-        self._shape = token_shape(event, route)
+        if self._misses < SHAPE_MISSES:  # (a shape hit since the last learned resets it)
+            self._misses += 1
+            self._shape = token_shape(event, route) if self._misses < SHAPE_MISSES else None
         return True
 
     def process(

@@ -100,6 +100,8 @@ def observe(
     )
     inspector = StreamInspector(ex)
     saved = stream_inspect.plain_token_event
+    # (patched before the first event: an inspector that never passes one keeps no shape, so
+    # every event is parsed)
     if not shortcut:
         stream_inspect.plain_token_event = lambda event, route: False
     try:
@@ -258,6 +260,66 @@ def test_the_next_token_events_are_compared_with_the_shape_not_tested_whole(
     assert ex.obs.token_events == 3
     with pytest.raises(AssertionError, match="tested whole"):  # a quote in it: tested whole
         inspector.plain_chunk(chat_chunk({"content": 'a "b"'}), 5.0)
+
+
+def _inspector(route: str) -> StreamInspector:
+    """An inspector past the first visible token (plain token events are counted, not parsed)."""
+    return StreamInspector(
+        Exchange(
+            request_id="r",
+            route=route,
+            upstream_path=route,
+            obs=Observation(t_start=0.0, t_first_token=1.0, t_first_visible=1.0),
+            dialect=DIALECTS["llamacpp"](),
+        )
+    )
+
+
+@pytest.mark.parametrize("raw", [b']"', b"]\n", b"]\\", b"]x\n\ndata: [DONE]\n\ndata: y"])
+def test_a_text_the_shape_cannot_vouch_for_is_judged_as_before(raw: bytes) -> None:
+    """A quote, a line break or a backslash at its end in what lies between a shape's two parts
+    could end the string (or the event) elsewhere: such an event is tested whole. (A text
+    starting with "]" is one the whole test refuses, so each case shows the shape deferring.)"""
+    inspector = _inspector(CHAT)
+    assert inspector.plain_chunk(chat_chunk({"content": "Hel"}), 2.0)
+    assert inspector._shape is not None
+    head, tail = inspector._shape
+    event = head + raw + tail
+    assert not plain_token_event(event, CHAT)
+    assert not inspector._plain(event)
+    assert not inspector.plain_chunk(event, 3.0)
+    assert inspector.ex.obs.token_events == 1
+
+
+def test_every_route_keeps_a_shape_and_gives_it_up_when_its_events_differ_elsewhere() -> None:
+    responses = b'event: response.output_text.delta\ndata: {"delta":"%b","item_id":"i"}\n\n'
+    messages = (
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"text_delta","text":"%b"}}\n\n'
+    )
+    for route, event in (
+        (CHAT, lambda t, i: chat_chunk({"content": t.decode()})),
+        (COMPLETIONS, lambda t, i: sse({"choices": [{"text": t.decode(), "finish_reason": None}]})),
+        (NATIVE_COMPLETION, lambda t, i: sse({"content": t.decode(), "stop": False})),
+        (RESPONSES, lambda t, i: responses % t),
+        (MESSAGES, lambda t, i: messages % t),
+    ):
+        inspector = _inspector(route)
+        for i, text in enumerate([b"a", b"bc", b"d e", b"f"]):
+            assert inspector._plain(event(text, i)), route
+        assert inspector._shape is not None and inspector._misses == 0, route
+    # llama-server's native events carry the token ids and a count: no two alike outside the
+    # text. The shape is given up; every event is still counted, tested whole.
+    inspector = _inspector(NATIVE_COMPLETION)
+    for i in range(8):
+        native = sse({"content": "x", "tokens": [i], "stop": False, "tokens_predicted": i})
+        assert inspector._plain(native)
+    assert inspector._shape is None and inspector._misses == stream_inspect.SHAPE_MISSES
+    # A chat stream whose clock ("created") moves now and then keeps its shape.
+    inspector = _inspector(CHAT)
+    for i in range(12):
+        assert inspector._plain(chat_chunk({"content": "x"}, created=1764567000 + i // 4))
+    assert inspector._shape is not None and inspector._misses == 0
 
 
 @settings(max_examples=500, deadline=None)
