@@ -123,3 +123,15 @@ def test_control_harness_quick_run_against_real_llama_servers(tmp_path: Path) ->
         assert figures["requests"] > 0 and figures["prompt_tokens"] > 0
     assert set(report["lift"]) == {"cached_share", "ttft_p50_ms", "ttft_p90_ms", "goodput_share"}
     assert report["proxy_stats"] is not None  # the mixed run's own /stats block
+
+
+def test_stream_inspection_bench_runs_beside_another_tree() -> None:
+    """``bench_stream_inspect.py`` (in-process: seconds), with ``--against`` a tree holding a
+    ``proxy`` package: this checkout's own."""
+    out = run_script(
+        "bench/bench_stream_inspect.py",
+        *("--tokens", "40", "--repeat", "1", "--against", str(ROOT)),
+        timeout_s=120,
+    )
+    for word in ("chat", "native", "Responses", "Messages", "ratio"):
+        assert word in out

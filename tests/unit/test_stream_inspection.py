@@ -262,6 +262,29 @@ def test_the_next_token_events_are_compared_with_the_shape_not_tested_whole(
         inspector.plain_chunk(chat_chunk({"content": 'a "b"'}), 5.0)
 
 
+def test_a_read_of_token_events_of_the_shape_is_counted_without_testing_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    inspector = _inspector(CHAT)
+    assert inspector.plain_chunk(chat_chunk({"content": "Hel"}), 2.0)
+
+    def tested(chunk: bytes, route: str) -> int:
+        raise AssertionError("tested whole")
+
+    monkeypatch.setattr(stream_inspect, "plain_token_run", tested)
+    read = b"".join(chat_chunk({"content": t}) for t in ("lo", ", ", "wor", "ld"))
+    assert inspector.plain_chunk(read, 3.0)
+    assert inspector.ex.obs.token_events == 5
+    for odd in (
+        read + chat_chunk({}, finish="stop"),  # one event of another shape
+        read + chat_chunk({"content": 'say "hi"'}),  # one the shape cannot vouch for
+        read[:-1],  # the last one unfinished
+        read.replace(b"\n\n", b"\n\n\n", 1),  # an odd run of line breaks
+    ):
+        with pytest.raises(AssertionError, match="tested whole"):
+            inspector.plain_chunk(odd, 4.0)
+
+
 def _inspector(route: str) -> StreamInspector:
     """An inspector past the first visible token (plain token events are counted, not parsed)."""
     return StreamInspector(
