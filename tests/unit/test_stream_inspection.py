@@ -556,3 +556,24 @@ def test_what_may_reach_the_client_before_it_is_read() -> None:
     assert not inspector(True).forwardable(role + finishing)
     assert not inspector(True).forwardable(role + usage_event)
     assert inspector(False).forwardable(role + finishing + usage_event)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.text(alphabet=st.sampled_from('ab "\\\n\r]\u00e9usage'), max_size=5), max_size=6),
+    st.sampled_from([b"", b"\n\n", b": ping\n\n", b"data: [DONE]\n\n"]),
+)
+def test_a_read_walked_against_the_shape_counts_what_testing_it_whole_counts(
+    texts: list[str], after: bytes
+) -> None:
+    inspector = _inspector(CHAT)
+    assert inspector.plain_chunk(chat_chunk({"content": "Hel"}), 2.0)
+    read = b"".join(chat_chunk({"content": t}) for t in texts) + after
+    counted = inspector._plain_run(read)
+    if counted:
+        # every event of the read a token with text in it, and nothing else in the read
+        assert counted == len(texts) and all(texts) and not after
+        whole = plain_token_run(read, CHAT)
+        assert whole in (0, counted)  # (0: a text that reads like a key, "usage", is parsed)
+    else:
+        assert not plain_token_run(read, CHAT)
