@@ -47,12 +47,15 @@ def sse(data: object) -> bytes:
 CHAT_META = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m"}
 
 
-def chat_events(tokens: list[str]) -> list[bytes]:
+def chat_events(tokens: list[str], tick: int = 0) -> list[bytes]:
+    """A chat stream; ``tick``: its clock ("created", seconds in llama-server) moves every
+    ``tick`` events."""
     role = {"choices": [{"finish_reason": None, "index": 0, "delta": {"role": "assistant"}}]}
     out = [sse({**role, **CHAT_META})]
-    for t in tokens:
+    for i, t in enumerate(tokens):
         choice = {"finish_reason": None, "index": 0, "delta": {"content": t}}
-        out.append(sse({"choices": [choice], **CHAT_META}))
+        clock = {"created": 1 + i // tick} if tick else {}
+        out.append(sse({"choices": [choice], **CHAT_META, **clock}))
     finish = {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}], **CHAT_META}
     usage = {"prompt_tokens": 10, "completion_tokens": len(tokens), "total_tokens": 0}
     timings = {"prompt_n": 5, "prompt_ms": 1.0, "predicted_n": len(tokens), "predicted_ms": 9.0}
@@ -137,6 +140,8 @@ def measure(tokens: int, repeat: int) -> list[tuple[str, float, float]]:
         ("Responses, a read per token", RESPONSES, responses_events(texts)),
         ("Messages, a read per token", MESSAGES, messages_events(texts)),
         ("chat, 16 events a read", CHAT, under_load(chat_events(texts))),
+        # 50 tokens a second: the clock moves every 3 reads or so
+        ("chat, 16 a read, its clock moving", CHAT, under_load(chat_events(texts, tick=50))),
     )
 
     def run_once(route: str, reads: list[bytes]) -> float:
@@ -179,7 +184,9 @@ def main() -> None:
     sys.path.insert(0, str(tree))
     rows = measure(args.tokens, args.repeat)
     if args.json:
-        print(json.dumps(rows))
+        import proxy
+
+        print(json.dumps({"proxy": proxy.__file__, "rows": rows}))
         return
     other: list[tuple[str, float, float]] = []
     if args.against:
@@ -193,7 +200,12 @@ def main() -> None:
             text=True,
             env={**os.environ, "PYTHONPATH": args.against},
         )
-        other = [tuple(row) for row in json.loads(out.stdout)]  # type: ignore[misc]
+        answer = json.loads(out.stdout)
+        measured = Path(answer["proxy"]).resolve()
+        if not measured.is_relative_to(Path(args.against).resolve()):
+            # (an installed prefixgate is found when the directory holds no proxy package)
+            raise SystemExit(f"--against {args.against}: measured {measured.parent}, not it")
+        other = [tuple(row) for row in answer["rows"]]
 
     from rich.console import Console
     from rich.table import Table

@@ -155,8 +155,8 @@ def plain_token_run(chunk: bytes, route: str) -> int:
     plain event may hold are searched once over the whole chunk (none of them contains a line
     break, so none can span two events).
     """
-    if b"\r" in chunk or not chunk.endswith(b"\n\n"):
-        return 0
+    if b"\r" in chunk or not chunk.endswith(b"\n\n") or chunk.endswith(b"\n\n\n"):
+        return 0  # (a third line break at the end would stay in the splitter)
     for key in _NEWS:
         if key in chunk:
             return 0
@@ -343,8 +343,17 @@ class StreamInspector:
                 events += 1
             else:
                 if events and pos == size:
+                    if self._misses:
+                        self._misses = 0
                     return events
-        return plain_token_run(chunk, self.ex.route)
+        route = self.ex.route
+        events = plain_token_run(chunk, route)
+        if events and self._misses < SHAPE_MISSES:  # learned again, as ``_plain`` does
+            self._misses += 1
+            cut = chunk.rfind(b"\n\n", 0, len(chunk) - 2)  # (the last event's start)
+            last = chunk[cut + 2 :] if cut >= 0 else chunk
+            self._shape = token_shape(last, route) if self._misses < SHAPE_MISSES else None
+        return events
 
     def forwardable(self, chunk: bytes) -> bool:
         """Whether ``process`` would forward every event of ``chunk`` (a whole upstream read,

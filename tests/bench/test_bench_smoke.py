@@ -9,6 +9,7 @@ and is not part of the smoke run.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -125,13 +126,23 @@ def test_control_harness_quick_run_against_real_llama_servers(tmp_path: Path) ->
     assert report["proxy_stats"] is not None  # the mixed run's own /stats block
 
 
-def test_stream_inspection_bench_runs_beside_another_tree() -> None:
-    """``bench_stream_inspect.py`` (in-process: seconds), with ``--against`` a tree holding a
-    ``proxy`` package: this checkout's own."""
-    out = run_script(
-        "bench/bench_stream_inspect.py",
-        *("--tokens", "40", "--repeat", "1", "--against", str(ROOT)),
-        timeout_s=120,
-    )
-    for word in ("chat", "native", "Responses", "Messages", "ratio"):
+def test_stream_inspection_bench_runs_beside_another_tree(tmp_path: Path) -> None:
+    """``bench_stream_inspect.py`` (in-process: seconds), with ``--against`` a copy of this
+    tree's ``proxy`` package; a directory without one is refused, not measured as this tree."""
+    other = tmp_path / "other"
+    shutil.copytree(ROOT / "proxy", other / "proxy")
+    args = ("bench/bench_stream_inspect.py", "--tokens", "40", "--repeat", "1")
+    out = run_script(*args, "--against", str(other), timeout_s=120)
+    for word in ("chat", "native", "Responses", "Messages", "clock", "ratio"):
         assert word in out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = subprocess.run(
+        [sys.executable, *args, "--against", str(empty)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode != 0 and "not it" in proc.stderr

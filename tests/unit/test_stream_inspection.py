@@ -3,6 +3,7 @@ shortcut observes exactly what parsing every event would."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -577,3 +578,92 @@ def test_a_read_walked_against_the_shape_counts_what_testing_it_whole_counts(
         assert whole in (0, counted)  # (0: a text that reads like a key, "usage", is parsed)
     else:
         assert not plain_token_run(read, CHAT)
+
+
+def test_reads_the_walk_leaves_to_the_whole_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raw bytes between the shape's parts that could end the text, the event or the read
+    elsewhere: the read is tested whole."""
+    inspector = _inspector(CHAT)
+    assert inspector.plain_chunk(chat_chunk({"content": "Hel"}), 2.0)
+    assert inspector._shape is not None
+    head, tail = inspector._shape
+
+    def tested(chunk: bytes, route: str) -> int:
+        raise AssertionError("tested whole")
+
+    monkeypatch.setattr(stream_inspect, "plain_token_run", tested)
+    read = b"".join(chat_chunk({"content": t}) for t in ("lo", ", "))
+    for odd in (
+        read + head + b"x\\" + tail,  # a trailing backslash
+        read + head + b"a\nb" + tail,  # a line break in the text
+        read + head + b"a\r\rb" + tail,  # a separator the splitter cuts at
+        read + chat_chunk({"content": "x"}).replace(b"smollm2", b"smollm3"),  # another tail
+    ):
+        with pytest.raises(AssertionError, match="tested whole"):
+            inspector.plain_chunk(odd, 4.0)
+
+
+RAW = st.sampled_from([b"a", b'"', b"\\", b"\n", b"\r", b"\n\n", b"\r\r", b"}", b"]"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.lists(st.lists(RAW, max_size=4).map(b"".join), max_size=5),
+    st.sampled_from([b"", b"\n", b"x"]),
+)
+def test_a_walked_read_is_what_the_splitter_and_the_shape_would_count(
+    texts: list[bytes], after: bytes
+) -> None:
+    inspector = _inspector(CHAT)
+    assert inspector.plain_chunk(chat_chunk({"content": "Hel"}), 2.0)
+    assert inspector._shape is not None
+    head, tail = inspector._shape
+    read = b"".join(head + t + tail for t in texts) + after
+    whole = stream_inspect.plain_token_run
+    try:
+        stream_inspect.plain_token_run = lambda chunk, route: 0  # the walk alone
+        counted = inspector._plain_run(read)
+    finally:
+        stream_inspect.plain_token_run = whole
+    if counted:
+        splitter = EventSplitter()
+        events = list(splitter.feed(read))
+        assert len(events) == counted and not splitter.pending
+        one = copy.deepcopy(inspector)
+        assert all(one._plain(event) for event in events)
+
+
+def test_a_shape_follows_the_clock_through_reads_of_several_events(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """llama-server's chat events carry a clock of seconds ("created"): a busy proxy reads them
+    a dozen at a time, and each second's first read, tested whole, gives the shape again."""
+    inspector = _inspector(CHAT)
+    whole = stream_inspect.plain_token_run
+    calls: list[int] = []
+
+    def counted(chunk: bytes, route: str) -> int:
+        calls.append(1)
+        return whole(chunk, route)
+
+    monkeypatch.setattr(stream_inspect, "plain_token_run", counted)
+    for second in range(4):
+        for _ in range(20):
+            read = b"".join(
+                chat_chunk({"content": "x"}, created=1764567000 + second) for _ in range(16)
+            )
+            assert inspector.plain_chunk(read, 2.0)
+        assert inspector._shape is not None and inspector._misses == 0
+    assert len(calls) == 4  # one read a second tested whole
+    assert inspector.ex.obs.token_events == 4 * 20 * 16
+
+
+def test_a_read_ending_in_an_odd_run_of_line_breaks_is_not_a_run_of_events() -> None:
+    """The splitter would keep the third line break for the next event."""
+    messages = (
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"text_delta","text":"a"}}\n\n'
+    )
+    assert plain_token_run(messages, MESSAGES) == 1
+    assert plain_token_run(messages + b"\n", MESSAGES) == 0
+    assert plain_token_run(chat_chunk({"content": "a"}) + b"\n", CHAT) == 0
