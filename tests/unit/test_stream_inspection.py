@@ -242,14 +242,8 @@ def test_a_token_events_shape_is_the_bytes_around_its_text() -> None:
 def test_the_next_token_events_are_compared_with_the_shape_not_tested_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    ex = Exchange(
-        request_id="r",
-        route=CHAT,
-        upstream_path=CHAT,
-        obs=Observation(t_start=0.0, t_first_token=1.0, t_first_visible=1.0),
-        dialect=DIALECTS["llamacpp"](),
-    )
-    inspector = StreamInspector(ex)
+    inspector = _inspector(CHAT)
+    ex = inspector.ex
     assert inspector.plain_chunk(chat_chunk({"content": "Hel"}), 2.0)
 
     def tested(event: bytes, route: str) -> bool:
@@ -357,14 +351,7 @@ def test_an_event_of_a_known_shape_is_a_plain_token_event(
 ) -> None:
     """What the inspector takes as plain by a stream's token shape is a token event of the same
     JSON, another text in the same place: never usage, a finish, or anything else."""
-    ex = Exchange(
-        request_id="r",
-        route=CHAT,
-        upstream_path=CHAT,
-        obs=Observation(t_start=0.0, t_first_token=1.0, t_first_visible=1.0),
-        dialect=DIALECTS["llamacpp"](),
-    )
-    inspector = StreamInspector(ex)
+    inspector = _inspector(CHAT)
     inspector.plain_chunk(chat_chunk({key: first}), 2.0)  # a shape, when that one is plain
     for text in texts:
         event = chat_chunk({key: text})
