@@ -261,8 +261,12 @@ def pick(
     *,
     pinned: int | None,
     rules: ServerRules,
+    idle: int | None = None,
 ) -> Pick:
-    """What ``get_available_slot`` does with ``query`` (rules 1-5, 8), without changing anything."""
+    """What ``get_available_slot`` does with ``query`` (rules 1-5, 8), without changing anything.
+
+    ``idle`` (unpinned only): the one slot the server finds idle, whatever the views say of the
+    others (a request that waited for any slot gets the slot that freed)."""
     chosen: int | None = None
     update = False
     threshold = rules.similarity
@@ -279,9 +283,11 @@ def pick(
                 update = best * query.prompt_tokens / view.state.tokens < SAVE_F_KEEP
             # else: 0 / 0 is NaN, never below the bar: an empty pinned slot never updates
     else:
+        order = range(len(slots)) if idle is None else (idle,)
         if threshold != 0.0:
             best = 0.0
-            for i, view in enumerate(slots):
+            for i in order:
+                view = slots[i]
                 if view.busy or view.state is None:
                     continue
                 sim = counter.lcp(view.state, query) / max(query.prompt_tokens, 1.0)
@@ -293,7 +299,8 @@ def pick(
                 update = best * query.prompt_tokens / max(state.tokens, 1.0) < SAVE_F_KEEP
         if chosen is None:
             t_last = -math.inf
-            for i, view in enumerate(slots):
+            for i in order:
+                view = slots[i]
                 if view.busy:
                     continue
                 if chosen is None or view.last_used <= t_last:

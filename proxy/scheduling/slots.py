@@ -207,18 +207,16 @@ class SlotTable(SlotWeighing):
                 outcome = pick(
                     views, self.ram, query, self.counter, pinned=slot.id, rules=self.rules
                 )
-            else:  # the only idle slot, as the server sees it then (the others' views are
-                # marked busy for the pick, and put back: under load they are busy already)
-                others = [v for v in views if not v.busy and v is not views[slot.id]]
-                for view in others:
-                    view.busy = True
-                try:
-                    outcome = pick(
-                        views, self.ram, query, self.counter, pinned=None, rules=self.rules
-                    )
-                finally:
-                    for view in others:
-                        view.busy = False
+            else:  # the only idle slot, as the server sees it then
+                outcome = pick(
+                    views,
+                    self.ram,
+                    query,
+                    self.counter,
+                    pinned=None,
+                    rules=self.rules,
+                    idle=slot.id,
+                )
             if outcome.slot != slot.id:
                 outcome = pick(
                     views, self.ram, query, self.counter, pinned=slot.id, rules=self.rules

@@ -69,6 +69,26 @@ def test_unpinned_takes_the_lru_path_and_restores_when_no_slot_is_similar() -> N
     assert got.source == SOURCE_RAM and got.cached_tokens == 10 * TPB
 
 
+def test_a_request_waiting_for_any_slot_gets_the_one_that_freed() -> None:
+    """``idle``: the server finds that slot idle and no other, whatever the views say (the
+    similar slot and the least recently used one are both passed over)."""
+    rules = ServerRules()
+    ram = RamCache(rules)
+    similar = state(chain(1, 10))
+    slots = [
+        SlotView(similar, False, 5.0),
+        SlotView(state(chain(2, 10)), False, 1.0),
+        SlotView(state(chain(3, 10)), False, 3.0),
+    ]
+    q = query(chain(1, 12))
+    assert pick(slots, ram, q, TokenCounter(), pinned=None, rules=rules).slot == 0
+    got = pick(slots, ram, q, TokenCounter(), pinned=None, rules=rules, idle=2)
+    assert got.slot == 2 and got.update  # the LRU path on it: saved, nothing similar
+    off = replace(rules, similarity=0.0)
+    assert pick(slots, ram, q, TokenCounter(), pinned=None, rules=off).slot == 1
+    assert pick(slots, ram, q, TokenCounter(), pinned=None, rules=off, idle=2).slot == 2
+
+
 def test_a_slot_keeping_half_its_tokens_is_overwritten_without_a_restore() -> None:
     """Shared system prompt, short histories: f_keep >= 0.5, so the history is recomputed."""
     rules = ServerRules()
