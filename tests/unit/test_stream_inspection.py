@@ -557,7 +557,7 @@ def test_a_read_walked_against_the_shape_counts_what_testing_it_whole_counts(
     inspector = _inspector(CHAT)
     assert inspector.plain_chunk(chat_chunk({"content": "Hel"}), 2.0)
     read = b"".join(chat_chunk({"content": t}) for t in texts) + after
-    counted = inspector._plain_run(read)
+    counted = inspector._plain_read(read)
     if counted:
         # every event of the read a token with text in it, and nothing else in the read
         assert counted == len(texts) and all(texts) and not after
@@ -606,12 +606,13 @@ def test_a_walked_read_is_what_the_splitter_and_the_shape_would_count(
     assert inspector._shape is not None
     head, tail = inspector._shape
     read = b"".join(head + t + tail for t in texts) + after
-    whole = stream_inspect.plain_token_run
+    whole, one_whole = stream_inspect.plain_token_run, stream_inspect.plain_token_event
     try:
         stream_inspect.plain_token_run = lambda chunk, route: 0  # the walk alone
-        counted = inspector._plain_run(read)
+        stream_inspect.plain_token_event = lambda event, route: False
+        counted = inspector._plain_read(read)
     finally:
-        stream_inspect.plain_token_run = whole
+        stream_inspect.plain_token_run, stream_inspect.plain_token_event = whole, one_whole
     if counted:
         splitter = EventSplitter()
         events = list(splitter.feed(read))
