@@ -26,7 +26,7 @@ from proxy.token_events import (
 
 SHAPE_MISSES = 3
 """Plain token events in a row a stream's shape may miss before it is given up
-(``StreamInspector._plain``): "created", a second's clock in llama-server's chat events, moves
+(``StreamInspector._learn``): "created", a second's clock in llama-server's chat events, moves
 now and then; a field that moves with every event never lets a shape hold."""
 
 
