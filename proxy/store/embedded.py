@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from proxy.fingerprint import leading_run
 from proxy.routing import TRAFFIC_MAX_BLOCKS, TrafficWindow
@@ -33,6 +34,9 @@ from proxy.store.window import (
     hours_between,
 )
 from proxy.store.window_query import WindowQuery
+
+if TYPE_CHECKING:
+    from proxy.store.write_behind import WriteBatch
 
 _BucketKey = tuple[str, int, int]  # (namespace, resolution_s, index)
 _FIELD_KEY_PAIRS = 1024
@@ -121,9 +125,17 @@ class EmbeddedStore:
         self, namespace: str, replica: str, hashes: Sequence[int], capacity_blocks: int
     ) -> None:
         """Touch the chain (its head most recent), then evict the least recent past capacity."""
-        if not hashes:
-            return
-        now = self._clock()
+        if hashes:
+            self._record_prefix(namespace, replica, hashes, capacity_blocks, self._clock())
+
+    def _record_prefix(
+        self,
+        namespace: str,
+        replica: str,
+        hashes: Sequence[int],
+        capacity_blocks: int,
+        now: float,
+    ) -> None:
         index = self._live_index(namespace, replica, now)
         if index is None:
             index = self._indexes[(namespace, replica)] = _ReplicaIndex()
@@ -192,43 +204,95 @@ class EmbeddedStore:
 
     async def add_in_flight(self, namespace: str, replica: str, delta: int) -> None:
         """Adjust the replica's count (across namespaces); it never goes below zero."""
+        self._add_in_flight(replica, delta)
+
+    def _add_in_flight(self, replica: str, delta: int) -> None:
         count = self._in_flight.get(replica, 0) + delta
         if count > 0:
             self._in_flight[replica] = count
         else:
             self._in_flight.pop(replica, None)
 
+    async def apply_writes(self, batch: WriteBatch) -> None:
+        """A write-behind batch (``proxy.store.write_behind``) in one step, in
+        ``apply_batch``'s order: the lookups (through ``lookup``), then the in-flight counts,
+        the traffic, the chains and the statistics, each a plain call under one reading of the
+        clock rather than an awaited coroutine of its own (some five writes a request)."""
+        for lookup in batch.lookups:
+            lookup.answer(await self.lookup(lookup.namespace, lookup.replicas, lookup.hashes))
+        now = self._clock()
+        for replica, (_, delta) in batch.in_flight.items():
+            if delta:
+                self._add_in_flight(replica, delta)
+        for namespace, hashes in batch.observes:
+            self._window(namespace).observe(hashes, now)
+        record = self._record_prefix
+        for (namespace, replica, _, _), (hashes, capacity) in batch.records.items():
+            if hashes:
+                record(namespace, replica, hashes, capacity, now)
+        if batch.stats:
+            self._add_stats(batch.stats, now)
+
     # -- statistics -----------------------------------------------------------------------------
 
     async def add_stats(self, sample: StatsSample) -> None:
         """Fold the sample into its minute bucket, its hour rollup and its anchor's hour."""
-        now = self._clock()
+        self._add_stats((sample,), self._clock())
+
+    def _add_stats(self, samples: Sequence[StatsSample], now: float) -> None:
+        """``add_stats`` of each of ``samples``. The counters of samples of one minute, model
+        and backend are summed first and folded into their buckets once, as the Redis store
+        sends a batch (``redis_stats.add_stats_calls``): a write-behind batch's samples mostly
+        share all three."""
         retention = self._opts.stats_retention_s
-        minute = int(sample.ts // MINUTE_S)
-        hour = int(sample.ts // HOUR_S)
-        if (hour + 1) * HOUR_S + retention <= now:
-            return  # older than anything kept
-        inc = sample_increments(sample)
-        pair = (sample.model, sample.backend)
+        groups: dict[tuple[str, int, str, str], dict[str, float]] = {}
+        for sample in samples:
+            minute = int(sample.ts // MINUTE_S)
+            hour = int(sample.ts // HOUR_S)
+            if (hour + 1) * HOUR_S + retention <= now:
+                continue  # older than anything kept
+            inc = sample_increments(sample)  # (a dict of its own)
+            key = (sample.namespace, minute, sample.model, sample.backend)
+            summed = groups.get(key)
+            if summed is None:
+                groups[key] = inc
+            else:
+                for name, value in inc.items():
+                    summed[name] = summed.get(name, 0.0) + value
+            self._add_anchor(sample, hour)
+        for (namespace, minute, model, backend), inc in groups.items():
+            self._fold(namespace, minute, model, backend, inc, now)
+        self._sweep(now)
+
+    def _fold(
+        self,
+        namespace: str,
+        minute: int,
+        model: str,
+        backend: str,
+        inc: Mapping[str, float],
+        now: float,
+    ) -> None:
+        """Add ``inc`` to the minute's bucket and its hour's rollup."""
+        retention = self._opts.stats_retention_s
+        pair = (model, backend)
         keys = self._field_keys.get(pair)
         if keys is None:
             if len(self._field_keys) >= _FIELD_KEY_PAIRS:
                 self._field_keys.clear()
             keys = self._field_keys[pair] = {}
         buckets = self._buckets
-        hourly = buckets.setdefault((sample.namespace, HOUR_S, hour), {})
+        hourly = buckets.setdefault((namespace, HOUR_S, int(minute * MINUTE_S // HOUR_S)), {})
         if (minute + 1) * MINUTE_S + retention > now:
-            minutely = buckets.setdefault((sample.namespace, MINUTE_S, minute), {})
+            minutely = buckets.setdefault((namespace, MINUTE_S, minute), {})
         else:
             minutely = {}  # its minute has expired already, its hour not: counted nowhere
         for name, value in inc.items():
             key = keys.get(name)
             if key is None:
-                key = keys[name] = bucket_field(sample.model, sample.backend, name)
+                key = keys[name] = bucket_field(model, backend, name)
             minutely[key] = minutely.get(key, 0.0) + value
             hourly[key] = hourly.get(key, 0.0) + value
-        self._add_anchor(sample, hour)
-        self._sweep(now)
 
     def _add_anchor(self, sample: StatsSample, hour: int) -> None:
         inc = anchor_increments(sample)
