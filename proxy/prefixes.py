@@ -101,6 +101,8 @@ def settled(view: PrefixView) -> PrefixView:
     if not task.done() or task.cancelled() or task.exception() is not None:
         return dataclasses.replace(view, available=False, pending=None)
     found = task.result()
+    if found.affinity_key == view.affinity_key and found.fp is view.fp:
+        return found  # (the answer is this view's, with the store's numbers: no copy to make)
     return dataclasses.replace(
         view,
         matched_blocks=found.matched_blocks,
