@@ -217,7 +217,9 @@ class EmbeddedStore:
         """A write-behind batch (``proxy.store.write_behind``) in one step, in
         ``apply_batch``'s order: the lookups (through ``lookup``), then the in-flight counts,
         the traffic, the chains and the statistics, each a plain call under one reading of the
-        clock rather than an awaited coroutine of its own (some five writes a request)."""
+        clock rather than an awaited coroutine of its own (some five writes a request). It
+        calls the writes' own bodies, not ``record_prefix``, ``observe_traffic``,
+        ``add_in_flight`` and ``add_stats``: a subclass overriding those is written past."""
         for lookup in batch.lookups:
             lookup.answer(await self.lookup(lookup.namespace, lookup.replicas, lookup.hashes))
         now = self._clock()
@@ -262,7 +264,8 @@ class EmbeddedStore:
             self._add_anchor(sample, hour)
         for (namespace, minute, model, backend), inc in groups.items():
             self._fold(namespace, minute, model, backend, inc, now)
-        self._sweep(now)
+        if groups:  # (samples all past retention leave the store as it was: no sweep either)
+            self._sweep(now)
 
     def _fold(
         self,
@@ -282,11 +285,11 @@ class EmbeddedStore:
                 self._field_keys.clear()
             keys = self._field_keys[pair] = {}
         buckets = self._buckets
-        hourly = buckets.setdefault((namespace, HOUR_S, int(minute * MINUTE_S // HOUR_S)), {})
+        hourly = buckets.setdefault((namespace, HOUR_S, minute * MINUTE_S // HOUR_S), {})
         if (minute + 1) * MINUTE_S + retention > now:
             minutely = buckets.setdefault((namespace, MINUTE_S, minute), {})
         else:
-            minutely = {}  # its minute has expired already, its hour not: counted nowhere
+            minutely = {}  # its minute has expired already, its hour not: in its hour only
         for name, value in inc.items():
             key = keys.get(name)
             if key is None:

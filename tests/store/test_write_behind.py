@@ -120,6 +120,58 @@ async def test_batched_writes_leave_the_store_as_single_writes_do(
     assert together == single
 
 
+async def test_a_batch_of_statistics_across_retention_reads_back_as_single_writes(
+    make_store: StoreFactory,
+) -> None:
+    """One batch mixing samples past retention (their hour expired), samples whose minute has
+    expired but not their hour, and fresh ones, several of each in one minute, model and
+    backend (summed before they are added): the statistics and the top prefixes read back as
+    the same samples written one by one."""
+    now = time.time()
+    hour = int(now) // 3600 * 3600
+    stamps = [hour - 3600 - 30.0, hour - 3600 + 5.0, hour + 1.0, now - 90.0, now - 1.0]
+    samples = [
+        sample(
+            ts + k,
+            model=model,
+            backend=R1,
+            prompt_tokens=100 * (k + 1),
+            cached_tokens=37 * k,
+            predicted_cached_tokens=11 * k,
+            ttft_ms=3.1 * (k + 1),
+            saved_prefill_ms=0.7 * k,
+            slo_met=k % 2 == 0,
+            prefix_anchor="aa" if k % 2 else None,
+            canonical_rules=RULES[: k % 3],
+        )
+        for ts in stamps
+        for model in ("m1", "m2")
+        for k in range(3)
+    ]
+    options = {"stats_retention_s": 3600.0}
+    one_by_one = await make_store(key_prefix="single-retention", **options)
+    batched = await make_store(key_prefix="batched-retention", **options)
+    behind = WriteBehind(batched, delay_s=60.0)
+    for each in samples:
+        await one_by_one.add_stats(each)
+        behind.add_stats(each)
+    await behind.flush()
+    assert behind.batches == 1
+
+    async def read(store: PrefixStore) -> tuple[Any, ...]:
+        since, until = hour - 3 * 3600, now + 60
+        windows = [
+            (await store.query_stats(since_s=since, until_s=until, model=model)).to_json()
+            for model in (None, "m1", "m2")
+        ]
+        top = await store.top_prefixes(since_s=since, limit=10)
+        return windows, [(p.anchor, p.requests, p.prompt_tokens) for p in top]
+
+    single, together = await read(one_by_one), await read(batched)
+    assert together == single
+    assert single[0] != (await read(await make_store(key_prefix="empty-retention")))[0]
+
+
 async def test_a_batch_is_applied_once_the_delay_has_passed(store: PrefixStore) -> None:
     # The delay leaves room for the "not yet" read on a loaded machine (a Redis cluster's
     # round trip can take tens of ms there); the batch is then waited for, not slept on.
