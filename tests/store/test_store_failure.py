@@ -61,6 +61,7 @@ async def test_killed_redis_degrades_then_recovers(own_redis_server: RedisServer
     """SIGKILL: calls stay fast and neutral, one warning; a restart on the port recovers alone."""
     store = RedisStore.from_url(own_redis_server.url, OPTIONS)
     try:
+        assert await store.warm()  # (as at start-up: the first calls' deadlines are 20 ms)
         await store.record_prefix("default", R1, CHAIN, 100)
         assert await store.longest_match("default", [R1], CHAIN) == {R1: 4}
 
@@ -90,6 +91,7 @@ async def test_hung_redis_costs_at_most_the_lookup_timeout(own_redis_server: Red
     """SIGSTOP: the lookup gives up after its timeout, not the socket's, and recovers after."""
     store = RedisStore.from_url(own_redis_server.url, OPTIONS)
     try:
+        assert await store.warm()
         await store.record_prefix("default", R1, CHAIN, 100)
         with capture_logs() as logs:
             own_redis_server.freeze()
@@ -112,6 +114,7 @@ async def test_background_write_is_bounded_by_its_own_timeout(
     opts = StoreOptions(timeouts=StoreTimeouts(lookup_s=0.02, write_s=0.03, breaker_s=0.2))
     store = RedisStore.from_url(own_redis_server.url, opts)
     try:
+        assert await store.warm()
         await store.record_prefix("default", R1, CHAIN, 100)
         own_redis_server.freeze()
         await timed(store.record_prefix("default", R2, CHAIN, 100), bound_s=0.03 + BOUND_S)

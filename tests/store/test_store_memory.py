@@ -66,6 +66,7 @@ async def test_recall_answers_none_while_redis_is_down(own_redis_server: RedisSe
     opts = StoreOptions(timeouts=StoreTimeouts(lookup_s=0.05, write_s=0.05, breaker_s=0.0))
     store = RedisStore.from_url(own_redis_server.url, opts)
     try:
+        assert await store.warm()  # (as at start-up: the first calls' deadlines are 50 ms)
         await store.remember("default", "form", {"k": b"v"}, ttl_s=60)
         assert await store.recall("default", "form", ["k"]) == [b"v"]
         own_redis_server.kill()
