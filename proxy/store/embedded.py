@@ -2,9 +2,9 @@
 
 Same contract and same numbers as the Redis store, kept in dicts: one ``OrderedDict`` LRU per
 (namespace, replica) with an idle TTL, a ``TrafficWindow`` and the in-flight counts per
-namespace, statistics buckets as dicts of ``bucket_field`` counters (what Redis keeps in
-hashes), and the hourly anchor rankings. Nothing here awaits anything, so
-a lookup costs no round trip; state lives and dies with the process.
+namespace, and the statistics (``proxy.store.embedded_stats``: buckets of ``bucket_field``
+counters, what Redis keeps in hashes, and the hourly anchor rankings). Nothing here awaits
+anything, so a lookup costs no round trip; state lives and dies with the process.
 """
 
 from __future__ import annotations
@@ -18,30 +18,14 @@ from proxy.fingerprint import leading_run
 from proxy.routing import TRAFFIC_MAX_BLOCKS, TrafficWindow
 from proxy.sized_lru import SizedLRU
 from proxy.store.base import DEFAULT_NAMESPACE, LookupResult, StoreOptions
-from proxy.store.ranking import (
-    ANCHOR_FIELDS,
-    PrefixStat,
-    anchor_increments,
-    rank,
-    trim_threshold,
-)
-from proxy.store.stats import StatsSample, sample_increments
-from proxy.store.window import (
-    HOUR_S,
-    MINUTE_S,
-    StatsWindow,
-    bucket_field,
-    hours_between,
-)
+from proxy.store.embedded_stats import StatsBuckets
+from proxy.store.ranking import PrefixStat
+from proxy.store.stats import StatsSample
+from proxy.store.window import MINUTE_S, StatsWindow, hours_between
 from proxy.store.window_query import WindowQuery
 
 if TYPE_CHECKING:
     from proxy.store.write_behind import WriteBatch
-
-_BucketKey = tuple[str, int, int]  # (namespace, resolution_s, index)
-_FIELD_KEY_PAIRS = 1024
-"""(model, backend) pairs whose bucket keys are kept made (model names are the clients')."""
-
 
 class _ReplicaIndex:
     """One replica's LRU of block hashes (oldest first) and when it was last written."""
@@ -53,15 +37,6 @@ class _ReplicaIndex:
         self.touched = 0.0
 
 
-class _Anchor:
-    __slots__ = ("counts", "label", "last_seen")
-
-    def __init__(self) -> None:
-        self.counts = dict.fromkeys(ANCHOR_FIELDS, 0.0)
-        self.last_seen = 0.0
-        self.label: str | None = None
-
-
 class EmbeddedStore:
     """Prefix index and statistics in this process's memory."""
 
@@ -71,10 +46,9 @@ class EmbeddedStore:
         self._opts = options or StoreOptions()
         self._clock = clock
         self._indexes: dict[tuple[str, str], _ReplicaIndex] = {}
-        self._buckets: dict[_BucketKey, dict[str, float]] = {}
-        self._field_keys: dict[tuple[str, str], dict[str, str]] = {}
-        """Each (model, backend)'s bucket keys by counter name (``bucket_field``), made once."""
-        self._anchors: dict[tuple[str, int], dict[str, _Anchor]] = {}
+        self._stats = StatsBuckets(
+            retention_s=self._opts.stats_retention_s, top_cap=self._opts.top_prefixes_cap
+        )
         self._traffic: dict[str, TrafficWindow] = {}
         self._in_flight: dict[str, int] = {}  # per replica, across namespaces
         # (namespace, kind, key) -> (value, expires at), least recently written first
@@ -242,80 +216,8 @@ class EmbeddedStore:
         self._add_stats((sample,), self._clock())
 
     def _add_stats(self, samples: Sequence[StatsSample], now: float) -> None:
-        """``add_stats`` of each of ``samples``. The counters of samples of one minute, model
-        and backend are summed first and folded into their buckets once, as the Redis store
-        sends a batch (``redis_stats.add_stats_calls``): a write-behind batch's samples mostly
-        share all three."""
-        retention = self._opts.stats_retention_s
-        groups: dict[tuple[str, int, str, str], dict[str, float]] = {}
-        for sample in samples:
-            minute = int(sample.ts // MINUTE_S)
-            hour = int(sample.ts // HOUR_S)
-            if (hour + 1) * HOUR_S + retention <= now:
-                continue  # older than anything kept
-            inc = sample_increments(sample)  # (a dict of its own)
-            key = (sample.namespace, minute, sample.model, sample.backend)
-            summed = groups.get(key)
-            if summed is None:
-                groups[key] = inc
-            else:
-                for name, value in inc.items():
-                    summed[name] = summed.get(name, 0.0) + value
-            self._add_anchor(sample, hour)
-        for (namespace, minute, model, backend), inc in groups.items():
-            self._fold(namespace, minute, model, backend, inc, now)
-        if groups:  # (samples all past retention leave the store as it was: no sweep either)
+        if self._stats.add(samples, now):  # (samples all past retention: no sweep either)
             self._sweep(now)
-
-    def _fold(
-        self,
-        namespace: str,
-        minute: int,
-        model: str,
-        backend: str,
-        inc: Mapping[str, float],
-        now: float,
-    ) -> None:
-        """Add ``inc`` to the minute's bucket and its hour's rollup."""
-        retention = self._opts.stats_retention_s
-        pair = (model, backend)
-        keys = self._field_keys.get(pair)
-        if keys is None:
-            if len(self._field_keys) >= _FIELD_KEY_PAIRS:
-                self._field_keys.clear()
-            keys = self._field_keys[pair] = {}
-        buckets = self._buckets
-        hourly = buckets.setdefault((namespace, HOUR_S, minute * MINUTE_S // HOUR_S), {})
-        if (minute + 1) * MINUTE_S + retention > now:
-            minutely = buckets.setdefault((namespace, MINUTE_S, minute), {})
-        else:
-            minutely = {}  # its minute has expired already, its hour not: in its hour only
-        for name, value in inc.items():
-            key = keys.get(name)
-            if key is None:
-                key = keys[name] = bucket_field(model, backend, name)
-            minutely[key] = minutely.get(key, 0.0) + value
-            hourly[key] = hourly.get(key, 0.0) + value
-
-    def _add_anchor(self, sample: StatsSample, hour: int) -> None:
-        inc = anchor_increments(sample)
-        if inc is None or sample.prefix_anchor is None:
-            return
-        ranked = self._anchors.setdefault((sample.namespace, hour), {})
-        entry = ranked.get(sample.prefix_anchor)
-        if entry is None:
-            entry = ranked[sample.prefix_anchor] = _Anchor()
-        for name, value in inc.items():
-            entry.counts[name] += value
-        entry.last_seen = max(entry.last_seen, sample.ts)
-        if sample.prefix_label:
-            entry.label = sample.prefix_label
-        cap = self._opts.top_prefixes_cap
-        if len(ranked) > trim_threshold(cap):
-            # Same order as Redis ZPOPMIN: lowest score first, ties by anchor.
-            by_score = sorted(ranked.items(), key=lambda kv: (kv[1].counts["p"], kv[0]))
-            for anchor, _ in by_score[: len(ranked) - cap]:
-                del ranked[anchor]
 
     async def query_stats(
         self,
@@ -330,26 +232,14 @@ class EmbeddedStore:
         query = WindowQuery.resolve(
             since_s, until_s, self._clock, namespace=namespace, model=model, backend=backend
         )
-        builder = query.builder()
-        for ref in query.plan.buckets:
-            bucket = self._buckets.get((query.namespace, ref.resolution_s, ref.index))
-            if bucket:
-                builder.add_bucket(ref.point_ts, bucket.items())
-        return builder.build()
+        return self._stats.window(query)
 
     async def top_prefixes(
         self, *, since_s: float, limit: int = 10, namespace: str | None = None
     ) -> list[PrefixStat]:
         """The anchors that served the most prompt tokens in the hours since ``since_s``."""
-        ns = namespace or DEFAULT_NAMESPACE
-        merged: dict[str, PrefixStat] = {}
-        for hour in hours_between(since_s, self._clock()):
-            for anchor, entry in self._anchors.get((ns, hour), {}).items():
-                stat = merged.get(anchor)
-                if stat is None:
-                    stat = merged[anchor] = PrefixStat(anchor=anchor)
-                stat.add(entry.counts, entry.last_seen, entry.label)
-        return rank(merged.values(), limit)
+        hours = hours_between(since_s, self._clock())
+        return self._stats.top(namespace or DEFAULT_NAMESPACE, hours, limit)
 
     # -- housekeeping ---------------------------------------------------------------------------
 
@@ -361,11 +251,7 @@ class EmbeddedStore:
         ttl = self._opts.index_ttl_s
         for key in [k for k, v in self._indexes.items() if now - v.touched > ttl]:
             del self._indexes[key]
-        retention = self._opts.stats_retention_s
-        for bkey in [k for k in self._buckets if (k[2] + 1) * k[1] + retention <= now]:
-            del self._buckets[bkey]
-        for akey in [k for k in self._anchors if (k[1] + 1) * HOUR_S + retention <= now]:
-            del self._anchors[akey]
+        self._stats.expire(now)
 
     async def recall(self, namespace: str, kind: str, keys: Sequence[str]) -> list[bytes | None]:
         """The remembered values (``None`` where none or expired); no I/O."""

@@ -27,7 +27,7 @@ from proxy.store.ranking import (
 )
 from proxy.store.redis_scripts import ADD_STATS, LuaScript
 from proxy.store.stats import StatsSample, sample_increments
-from proxy.store.window import HOUR_S, MINUTE_S, StatsWindow, bucket_field
+from proxy.store.window import HOUR_S, MINUTE_S, StatsWindow, add_counters, bucket_field
 from proxy.store.window_query import WindowQuery
 
 StatsCall = tuple[LuaScript, Sequence[str], Sequence[Any]]
@@ -53,13 +53,13 @@ def add_stats_calls(
             continue  # older than anything kept
         ns = sample.namespace
         counters = buckets.setdefault((ns, minute, sample.model, sample.backend), {})
-        _add(counters, sample_increments(sample))
+        add_counters(counters, sample_increments(sample))
         anchor_inc = anchor_increments(sample)
         if anchor_inc is None or not sample.prefix_anchor:
             continue
         key = (ns, hour, sample.prefix_anchor)
         summed, ts, label, first = anchors.get(key, ({}, sample.ts, "", minute))
-        _add(summed, anchor_inc)
+        add_counters(summed, anchor_inc)
         anchors[key] = (summed, max(ts, sample.ts), sample.prefix_label or label, first)
     calls: list[StatsCall] = []
     for (ns, minute, model, backend), counters in buckets.items():
@@ -72,11 +72,6 @@ def add_stats_calls(
             args += (name, repr(value))
         calls.append((ADD_STATS, _keys(stats_key, ns, minute), args))
     return calls
-
-
-def _add(into: dict[str, float], increments: Mapping[str, float]) -> None:
-    for name, value in increments.items():
-        into[name] = into.get(name, 0.0) + value
 
 
 def _bucket_args(

@@ -15,7 +15,7 @@ buckets, with one series point an hour: a 7-day window is at most 168 + 118 buck
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,13 @@ def _unescape(part: str) -> str:
 def bucket_field(model: str, backend: str, name: str) -> str:
     """The key of one counter inside a bucket."""
     return f"{_escape(model)}{_SEP}{_escape(backend)}{_SEP}{name}"
+
+
+def add_counters(into: dict[str, float], counters: Mapping[str, float]) -> None:
+    """Add ``counters`` into ``into``, name by name: samples of one bucket summed before they are
+    written (both stores sum a batch's samples of one minute, model and backend so)."""
+    for name, value in counters.items():
+        into[name] = into.get(name, 0.0) + value
 
 
 def split_bucket_field(key: str) -> tuple[str, str, str] | None:
