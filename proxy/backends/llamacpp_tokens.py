@@ -24,8 +24,6 @@ template's close of turn (``closing``, learned: 5 tokens in ChatML).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from proxy.fingerprint import SEGMENT_END, Fingerprint, common_blocks
@@ -213,6 +211,28 @@ def _common_segments(a: Fingerprint, b: Fingerprint) -> int:
 _NOTHING = Shared(0.0)
 
 
+class _Scope:
+    """``TokenCounter.scope``: a plain context manager (entered twice a placement, where a
+    generator's costs a frame and an object more)."""
+
+    __slots__ = ("counter", "outer", "query")
+
+    def __init__(self, counter: TokenCounter, query: PromptQuery) -> None:
+        self.counter = counter
+        self.query = query
+        self.outer: tuple[PromptQuery | None, dict[CachedPrompt, Shared]] | None = None
+
+    def __enter__(self) -> None:
+        counter = self.counter
+        self.outer = outer = counter._scope, counter._memo
+        if self.query is not outer[0]:  # the same query's scope again (nested): one memo
+            counter._scope, counter._memo = self.query, {}
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.outer is not None
+        self.counter._scope, self.counter._memo = self.outer
+
+
 @dataclass(slots=True)
 class TokenCounter:
     """Turns a match between a cached state and a request into tokens (see the module text)."""
@@ -228,18 +248,11 @@ class TokenCounter:
     _memo: dict[CachedPrompt, Shared] = field(default_factory=dict)
     """Within ``scope``: each state's match (by identity: ``CachedPrompt`` is ``eq=False``)."""
 
-    @contextmanager
-    def scope(self, query: PromptQuery) -> Iterator[None]:
+    def scope(self, query: PromptQuery) -> _Scope:
         """Within it, ``shared(state, query)`` is computed once per state: one placement asks
         it of the same states for every slot (the RAM cache's entries above all), and nothing
         the answer depends on changes meanwhile."""
-        outer = self._scope, self._memo
-        if query is not outer[0]:  # the same query's scope again (nested): one memo
-            self._scope, self._memo = query, {}
-        try:
-            yield
-        finally:
-            self._scope, self._memo = outer
+        return _Scope(self, query)
 
     def shared(self, state: CachedPrompt, query: PromptQuery) -> Shared:
         """Tokens of ``query`` that ``state`` holds (before the one-token cap)."""

@@ -67,10 +67,6 @@ from proxy.scheduling.slot_state import (
 )
 
 
-def _lru(slot: Slot) -> tuple[float, int]:
-    return slot.last_used, slot.id
-
-
 class SlotWeighing:
     """The estimates and the choice of a ``SlotTable``, which holds the state they read (declared
     here) and applies what is placed (``settle`` first, as every public method does)."""
@@ -222,12 +218,16 @@ class SlotWeighing:
             return known
 
         # Every empty idle slot weighs the same (nothing reused, nothing lost): only the one
-        # the ties go to, the least recently used, is weighed.
-        empty = min(
-            (s for s, b in zip(slots, busy, strict=True) if not b and s.state is None),
-            key=_lru,
-            default=None,
-        )
+        # the ties go to, the least recently used (then the lowest id: slots are in id order,
+        # so the first of equal ``last_used``), is weighed.
+        empty: Slot | None = None
+        for slot, slot_busy in zip(slots, busy, strict=True):
+            if (
+                not slot_busy
+                and slot.state is None
+                and (empty is None or slot.last_used < empty.last_used)
+            ):
+                empty = slot
         for slot, slot_busy in zip(slots, busy, strict=True):
             if not slot_busy:
                 if slot.state is None and slot is not empty:

@@ -27,6 +27,7 @@ from proxy.store.window_query import WindowQuery
 if TYPE_CHECKING:
     from proxy.store.write_behind import WriteBatch
 
+
 class _ReplicaIndex:
     """One replica's LRU of block hashes (oldest first) and when it was last written."""
 

@@ -19,12 +19,11 @@ from proxy.store.ranking import (
     rank,
     trim_threshold,
 )
-from proxy.store.stats import StatsSample, sample_increments
+from proxy.store.stats import StatsSample, add_increments
 from proxy.store.window import (
     HOUR_S,
     MINUTE_S,
     StatsWindow,
-    add_counters,
     bucket_field,
 )
 from proxy.store.window_query import WindowQuery
@@ -65,7 +64,7 @@ class StatsBuckets:
             if (hour + 1) * HOUR_S + retention <= now:
                 continue  # older than anything kept
             key = (sample.namespace, minute, sample.model, sample.backend)
-            add_counters(groups.setdefault(key, {}), sample_increments(sample))
+            add_increments(groups.setdefault(key, {}), sample)
             self._add_anchor(sample, hour)
         for (namespace, minute, model, backend), counters in groups.items():
             self._fold(namespace, minute, model, backend, counters, now)

@@ -26,7 +26,7 @@ from proxy.store.ranking import (
     trim_threshold,
 )
 from proxy.store.redis_scripts import ADD_STATS, LuaScript
-from proxy.store.stats import StatsSample, sample_increments
+from proxy.store.stats import StatsSample, add_increments
 from proxy.store.window import HOUR_S, MINUTE_S, StatsWindow, add_counters, bucket_field
 from proxy.store.window_query import WindowQuery
 
@@ -53,7 +53,7 @@ def add_stats_calls(
             continue  # older than anything kept
         ns = sample.namespace
         counters = buckets.setdefault((ns, minute, sample.model, sample.backend), {})
-        add_counters(counters, sample_increments(sample))
+        add_increments(counters, sample)
         anchor_inc = anchor_increments(sample)
         if anchor_inc is None or not sample.prefix_anchor:
             continue

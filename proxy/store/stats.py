@@ -134,15 +134,6 @@ class StatsSample:
             miss_routing_why=record.miss_routing_why or None,
         )
 
-    def latencies(self) -> dict[str, float | None]:
-        """The four latencies by metric name."""
-        return {
-            "ttft": self.ttft_ms,
-            "ttfvt": self.ttfvt_ms,
-            "tpot": self.tpot_ms,
-            "e2e": self.e2e_ms,
-        }
-
 
 def _misses(record: RequestRecord) -> dict[str, int] | None:
     if record.miss_new_tokens is None:
@@ -174,6 +165,20 @@ def _miss_increments(sample: StatsSample, inc: dict[str, float]) -> None:
 
 def sample_increments(sample: StatsSample) -> dict[str, float]:
     """The counters one request adds to its bucket (fields that would add zero are left out)."""
+    return {k: v for k, v in _increments(sample).items() if v != 0.0 or k == "requests"}
+
+
+def add_increments(into: dict[str, float], sample: StatsSample) -> None:
+    """Add ``sample_increments(sample)`` into ``into``, counter by counter (both stores sum a
+    batch's samples of one bucket so), without making the filtered bag first."""
+    get = into.get
+    for name, value in _increments(sample).items():
+        if value != 0.0:  # ("requests" is always 1)
+            into[name] = get(name, 0.0) + value
+
+
+def _increments(sample: StatsSample) -> dict[str, float]:
+    """``sample_increments`` with the counters that add zero still in."""
     inc: dict[str, float] = {"requests": 1.0}
     if sample.error:
         inc["errors"] = 1.0
@@ -223,14 +228,19 @@ def sample_increments(sample: StatsSample) -> dict[str, float]:
     for name in sample.hosted_stripped:
         inc[STRIPPED_PREFIX + name] = 1.0
     _miss_increments(sample, inc)
-    for metric, value in sample.latencies().items():
+    for keys, value in (
+        (_TTFT_KEYS, sample.ttft_ms),
+        (_TTFVT_KEYS, sample.ttfvt_ms),
+        (_TPOT_KEYS, sample.tpot_ms),
+        (_E2E_KEYS, sample.e2e_ms),
+    ):
         if value is None or not math.isfinite(value) or value < 0:
             continue
-        n_key, sum_key, bucket_keys = _LATENCY_KEYS[metric]
+        n_key, sum_key, bucket_keys = keys
         inc[n_key] = 1.0
         inc[sum_key] = value
-        inc[bucket_keys[latency_bucket(value)]] = 1.0
-    return {k: v for k, v in inc.items() if v != 0.0 or k == "requests"}
+        inc[bucket_keys[bisect_left(LATENCY_BOUNDS_MS, value)]] = 1.0  # ``latency_bucket``
+    return inc
 
 
 _LATENCY_KEYS = {
@@ -242,6 +252,7 @@ _LATENCY_KEYS = {
     for metric in ("ttft", "ttfvt", "tpot", "e2e")
 }
 """Each latency's counter names: its count, its sum, its histogram buckets (``latency_bucket``)."""
+_TTFT_KEYS, _TTFVT_KEYS, _TPOT_KEYS, _E2E_KEYS = (_LATENCY_KEYS[m] for m in LATENCY_METRICS)
 
 
 def _ratio(num: float, den: float) -> float | None:

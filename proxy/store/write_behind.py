@@ -137,6 +137,8 @@ class WriteBehind:
         self.delay_s = max(delay_s, 0.0)
         self.max_pending = max(max_pending, 1)
         self._batch = WriteBatch()
+        self._queued_n = 0
+        """``len(self._batch)``, kept as each write is queued (asked at every write)."""
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._hurried = False
@@ -152,7 +154,7 @@ class WriteBehind:
     @property
     def pending(self) -> int:
         """Writes queued and not yet under way."""
-        return len(self._batch)
+        return self._queued_n
 
     # -- what is queued -------------------------------------------------------------------------
 
@@ -163,7 +165,8 @@ class WriteBehind:
             return
         records = self._batch.records
         key = (namespace, replica, hashes[-1], len(hashes))
-        records.pop(key, None)  # written once, as the latest (its place in the LRU order)
+        if records.pop(key, None) is None:  # written once, as the latest (its LRU place)
+            self._queued_n += 1
         records[key] = (hashes, capacity_blocks)
         self._queued()
 
@@ -171,18 +174,24 @@ class WriteBehind:
         if self._full():
             return
         self._batch.observes.append((namespace, hashes))
+        self._queued_n += 1
         self._queued()
 
     def add_in_flight(self, namespace: str, replica: str, delta: int) -> None:
         counts = self._batch.in_flight
         known = counts.get(replica)
-        counts[replica] = (namespace, delta) if known is None else (known[0], known[1] + delta)
+        if known is None:
+            counts[replica] = (namespace, delta)
+            self._queued_n += 1
+        else:
+            counts[replica] = (known[0], known[1] + delta)
         self._queued()
 
     def add_stats(self, sample: StatsSample) -> None:
         if self._full():
             return
         self._batch.stats.append(sample)
+        self._queued_n += 1
         self._queued()
 
     def lookup(
@@ -192,13 +201,14 @@ class WriteBehind:
         claim and count among them): its answer, when it comes (a failing store's, too)."""
         future: asyncio.Future[LookupResult] = asyncio.get_running_loop().create_future()
         self._batch.lookups.append(Lookup(namespace, replicas, hashes, future))
+        self._queued_n += 1
         self._queued()
         return future
 
     def hurry(self) -> None:
         """Send what is queued now (after the batch under way, if one is): an answer is
         awaited, or the moment that mattered has passed."""
-        if not len(self._batch):
+        if not self._queued_n:
             return  # (a lookup in the batch under way is answered with it)
         if self._task is not None:
             self._hurried = True
@@ -208,10 +218,10 @@ class WriteBehind:
     def _full(self) -> bool:
         """Whether the queue is at its limit (in-flight counts are never dropped: they are
         summed into one entry per replica, and a lost one would skew the shared loads)."""
-        if len(self._batch) < QUEUE_LIMIT * self.max_pending:
+        if self._queued_n < QUEUE_LIMIT * self.max_pending:
             return False
         if not self.dropped:
-            log.warning("store_writes_dropped", queued=len(self._batch))
+            log.warning("store_writes_dropped", queued=self._queued_n)
         self.dropped += 1
         return True
 
@@ -220,7 +230,7 @@ class WriteBehind:
     def _queued(self) -> None:
         if self._task is not None:
             return  # the batch under way arms the next one when it is done
-        if len(self._batch) >= self.max_pending or self._hurried:
+        if self._queued_n >= self.max_pending or self._hurried:
             self._start()
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.delay_s, self._start)
@@ -229,12 +239,12 @@ class WriteBehind:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._task is None and len(self._batch):
+        if self._task is None and self._queued_n:
             self._hurried = False
             self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
-        batch, self._batch = self._batch, WriteBatch()
+        batch, self._batch, self._queued_n = self._batch, WriteBatch(), 0
         if self.before_apply is not None:
             self.before_apply()  # (never raises)
         try:
@@ -245,7 +255,7 @@ class WriteBehind:
         finally:
             batch.unanswered()  # (cancelled at shutdown too: nobody waits for ever)
             self._task = None
-            if len(self._batch):
+            if self._queued_n:
                 self._queued()
             else:
                 self._hurried = False
@@ -258,7 +268,7 @@ class WriteBehind:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(task)
                 continue
-            if not len(self._batch):
+            if not self._queued_n:
                 if self._timer is not None:
                     self._timer.cancel()
                     self._timer = None
