@@ -99,11 +99,15 @@ class FanOut:
         if choice.reason == SLOT_QUEUE or not table.slots or table.unplaced or self.lock.locked():
             return None
         idle = [s for s in table.slots if s.idle(now)]
-        targets = [s for s in idle if s.state is None]
-        if not targets:
+        # The target: the least recently used empty idle slot (then the lowest id: the slots
+        # are in id order, so the first of equal ``last_used``).
+        target: Slot | None = None
+        for slot in idle:
+            if slot.state is None and (target is None or slot.last_used < target.last_used):
+                target = slot
+        if target is None:
             return None
         query = req.query()
-        target = min(targets, key=lambda s: (s.last_used, s.id))
         best: Seed | None = None
         for source in idle:
             if source.state is None or source is target:

@@ -17,7 +17,7 @@ import pytest
 from redis_process import RELAXED, RedisServer, StoreFactory
 from test_store_stats import sample
 
-from proxy.store import LookupResult, PrefixStore, RedisStore, StoreOptions
+from proxy.store import EmbeddedStore, LookupResult, PrefixStore, RedisStore, StoreOptions
 from proxy.store.write_behind import QUEUE_LIMIT, WriteBatch, WriteBehind, apply_batch
 
 NOW = time.time()
@@ -248,6 +248,28 @@ async def test_a_chain_written_twice_is_written_once_and_counts_are_summed() -> 
         ("record_prefix", ("default", R1, [7, 8], 100)),
         ("record_prefix", ("default", R1, chain, 100)),
     ]
+
+
+async def test_the_queue_counts_what_its_batch_holds() -> None:
+    """``pending`` (counted as writes come, not summed at each) is the batch's length: a chain
+    written again and a replica's in-flight changes summed count once, a lookup counts."""
+    behind = WriteBehind(EmbeddedStore(), delay_s=60.0)
+    behind.add_in_flight("default", R1, +1)
+    behind.record_prefix("default", R1, [1, 2, 3], 100)
+    behind.record_prefix("default", R1, [1, 2, 3], 100)
+    behind.record_prefix("default", R1, [], 100)  # nothing to write
+    behind.add_in_flight("default", R1, -1)
+    behind.add_in_flight("default", R2, +1)
+    behind.observe_traffic("default", [1, 2])
+    behind.add_stats(sample(NOW))
+    lookup = behind.lookup("default", [R1], [1, 2, 3])
+    assert behind.pending == len(behind._batch) == 6
+    await behind.flush()
+    assert lookup.done() and lookup.result().available
+    assert behind.pending == len(behind._batch) == 0
+    behind.add_in_flight("default", R1, +1)
+    assert behind.pending == len(behind._batch) == 1
+    await behind.flush()
 
 
 async def test_a_failing_store_loses_the_batch_and_the_writes_go_on() -> None:

@@ -16,8 +16,8 @@ from proxy.store.base import StoreTimeouts
 from proxy.store.health import StoreHealth
 from proxy.store.redis_layout import namespace_key, replica_id
 from proxy.store.redis_scripts import ALL_SCRIPTS, pack_chain
-from proxy.store.stats import latency_bucket, sample_increments
-from proxy.store.window import bucket_field, plan_buckets, split_bucket_field
+from proxy.store.stats import add_increments, latency_bucket, sample_increments
+from proxy.store.window import add_counters, bucket_field, plan_buckets, split_bucket_field
 
 BASE = 1_700_002_800  # an hour boundary
 
@@ -145,6 +145,53 @@ def test_nonfinite_and_negative_values_are_ignored() -> None:
     inc = sample_increments(s)
     assert not any(k.startswith(("ttft", "tpot")) for k in inc)
     assert "saved_usd" not in inc
+
+
+def test_a_bucket_adds_samples_as_their_increments_summed() -> None:
+    """``add_increments`` (what both stores sum a batch's samples of one bucket with) adds
+    exactly the counters ``sample_increments`` gives: zeros, NaN and negative values, repeated
+    names and misses included."""
+    nan = float("nan")
+    samples = [
+        StatsSample(
+            ts=0.0,
+            namespace="d",
+            model="m",
+            backend="b",
+            status=200 if i % 3 else 503,
+            error=not i % 3,
+            prompt_tokens=[100, 0, None][i % 3],
+            cached_tokens=[40, 0, 7][i % 3],
+            predicted_cached_tokens=[50, None, 0][i % 3],
+            completion_tokens=i % 2,
+            ttft_ms=[5.0, nan, -1.0, 0.0][i % 4],
+            tpot_ms=2.5,
+            e2e_ms=[40.0, float("inf")][i % 2],
+            slo_met=[True, False, None][i % 3],
+            saved_prefill_ms=[nan, 3.0, -2.0][i % 3],
+            saved_usd=[None, 0.5][i % 2],
+            canonical_rules=["json_keys", "json_keys", "volatile"][: i % 4],
+            route_reason="affinity" if i % 2 else None,
+            schedule_reason="slot_hit",
+            cache_source="slot" if i % 2 else None,
+            affinity_source="prompt_cache_key" if i % 3 else None,
+            hosted_stripped=["store", "store"] if i % 2 else [],
+            misses={"new": 10, "breaker": i, "routing": 0, "evicted": 3, "unexplained": 0}
+            if i % 2
+            else None,
+            miss_breaker_rules=["volatile", "volatile"] if i % 2 else [],
+            miss_routing_why="load" if i % 2 else None,
+        )
+        for i in range(12)
+    ]
+    summed: dict[str, float] = {}
+    added: dict[str, float] = {}
+    for sample in samples:
+        add_counters(summed, sample_increments(sample))
+        add_increments(added, sample)
+    assert list(added) == list(summed)
+    for name, value in summed.items():
+        assert added[name] == pytest.approx(value, nan_ok=True), name
 
 
 def test_sample_from_record() -> None:
