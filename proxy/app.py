@@ -168,6 +168,8 @@ def build_app(
                 log_prompt_labels=settings.log_prompts,
                 routing=settings.routing,
                 remote_store=settings.redis_url is not None,
+                # (one replica, a store of its own: no routing decision reads the traffic)
+                count_traffic=settings.redis_url is not None or len(fleet.replicas) > 1,
                 write_delay_s=(
                     settings.store_write_delay_ms / 1000.0
                     if settings.store_write_delay_ms > 0

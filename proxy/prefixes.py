@@ -228,10 +228,15 @@ class PrefixTracker:
         routing: RoutingConfig | None = None,
         write_delay_s: float | None = None,
         remote_store: bool = False,
+        count_traffic: bool = True,
     ) -> None:
         self.store = store
         self.remote_store = remote_store
         """The store is a round trip away (Redis): a lookup nothing routes by is not waited for."""
+        self.count_traffic = count_traffic
+        """Requests are counted in the store's traffic window (the router's ``TrafficDepth``).
+        Off where nothing reads the counts: one replica, and a store of this process's own
+        (the proxy builds it so; with Redis, other proxies route by what this one counts)."""
         self.writes = None if write_delay_s is None else WriteBehind(store, delay_s=write_delay_s)
         """With ``write_delay_s``: the store writes batched and sent that much later
         (``proxy.store.write_behind``); ``in_flight``, ``claim`` and ``learn`` then queue them
@@ -420,7 +425,8 @@ class PrefixTracker:
         arriving together follow the first one; the returned coroutine writes it to the store
         for every proxy (run it in the background right after choosing). It also counts the
         request in the traffic window at arrival (as the fleet simulator does), so a burst
-        sharing a system prompt is seen as shared traffic while it is still arriving.
+        sharing a system prompt is seen as shared traffic while it is still arriving (where
+        the counts are read: ``count_traffic``).
 
         With write behind, the store's writes are queued and None is returned: the traffic
         count then lands with the batch (``--store-write-delay-ms`` later)."""
@@ -431,7 +437,8 @@ class PrefixTracker:
         if writes is None:
             return self._claim(view, replica, capacity_tokens, model)
         if hashes:
-            writes.observe_traffic(view.namespace, hashes[:TRAFFIC_MAX_BLOCKS])
+            if self.count_traffic:
+                writes.observe_traffic(view.namespace, hashes[:TRAFFIC_MAX_BLOCKS])
             capacity = self.capacity_blocks(capacity_tokens, model)
             writes.record_prefix(view.namespace, replica, hashes, capacity)
         return None
@@ -446,9 +453,10 @@ class PrefixTracker:
         self, view: PrefixView, replica: str, capacity_tokens: int, model: str | None
     ) -> None:
         if view.fp.block_hashes:
-            await self.store.observe_traffic(
-                view.namespace, view.fp.block_hashes[:TRAFFIC_MAX_BLOCKS]
-            )
+            if self.count_traffic:
+                await self.store.observe_traffic(
+                    view.namespace, view.fp.block_hashes[:TRAFFIC_MAX_BLOCKS]
+                )
             await self.store.record_prefix(
                 view.namespace,
                 replica,

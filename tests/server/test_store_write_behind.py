@@ -1,7 +1,7 @@
 """The proxy's store writes: queued and sent together (the default), or one by one (delay 0).
 
 Either way, once the writer has drained, the store holds every request's chain, its traffic
-count and its statistics, and no request is left counted in flight.
+count (where a router reads it) and its statistics, and no request is left counted in flight.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import pytest
-from fakes import LlamaFake, MakeProxy
+from fakes import LlamaFake, MakeProxy, fleet_proxy, serve
 
 from proxy.state import STATE
 
@@ -49,7 +49,27 @@ async def test_every_write_reaches_the_store(
     assert window.requests == 5
     found = await state.store.lookup("default", [replica], [])
     assert found.loads == {replica: 0.0}
-    assert found.window_requests == 5
+    assert found.window_requests == 0  # one replica: the traffic is not counted (below)
+
+
+async def test_the_traffic_is_counted_where_a_router_reads_it(
+    llama_fake: LlamaFake, aiohttp_server: Any, make_proxy: MakeProxy
+) -> None:
+    """The traffic window is the router's input (the traffic-shared depth). With one replica
+    and a store of the proxy's own nothing reads it, and the requests are not counted; with
+    two replicas every request is (with Redis too: other proxies route by it)."""
+    other = await serve(LlamaFake(), aiohttp_server)
+    for fakes, counted in (((llama_fake,), 0), ((llama_fake, other), 3)):
+        client, records, app = await fleet_proxy(make_proxy, *fakes)
+        state = app[STATE]
+        assert state.tracker.count_traffic is (counted > 0)
+        for n in range(3):
+            async with client.post("/v1/chat/completions", json=chat(f"question {n}")) as r:
+                assert r.status == 200
+        await records.wait(3)
+        await state.writer.drain()
+        found = await state.store.lookup("default", [f.url for f in fakes], [])
+        assert found.window_requests == counted
 
 
 async def test_the_writes_wait_for_the_delay(llama_fake: LlamaFake, make_proxy: MakeProxy) -> None:
