@@ -347,19 +347,22 @@ class PrefixTracker:
 
         pending: asyncio.Future[PrefixView]
         if found is None:
+            # Answered in one of this process's own steps (``answer_local``, which logs a
+            # failure): never left running, so neither tracked nor called back.
             pending = asyncio.get_running_loop().create_future()
             self._local.append((pending, view, namespace, replicas, hashes))
-        elif isinstance(found, asyncio.Future):  # queued with the writes: folded in as it comes
-            pending = asyncio.get_running_loop().create_future()
-            found.add_done_callback(functools.partial(_fold, pending, view))
         else:
+            if isinstance(found, asyncio.Future):  # queued with the writes: folded in as it comes
+                pending = asyncio.get_running_loop().create_future()
+                found.add_done_callback(functools.partial(_fold, pending, view))
+            else:
 
-            async def answer() -> PrefixView:
-                return view(await found)
+                async def answer() -> PrefixView:
+                    return view(await found)
 
-            pending = asyncio.ensure_future(answer())
-        self._lookups.add(pending)
-        pending.add_done_callback(self._answered)
+                pending = asyncio.ensure_future(answer())
+            self._lookups.add(pending)
+            pending.add_done_callback(self._answered)
         return PrefixView(
             fp=fp,
             namespace=namespace,
@@ -524,6 +527,7 @@ class PrefixTracker:
                 pending.set_result(view(lookup_now(namespace, replicas, hashes)))
             except Exception as exc:  # (a bug: the view settles as unavailable, logged)
                 pending.set_exception(exc)
+                _log.error("lookup_failed", exc_info=pending.exception())
 
     async def flush(self) -> None:
         """Let the lookups not waited for end (each within its deadline), then apply the store

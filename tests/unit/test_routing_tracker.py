@@ -431,3 +431,24 @@ async def test_a_deferred_lookup_in_this_process_is_read_before_its_claim() -> N
     later = await tracker.lookup(CHAT, body("c"), [R1], deferred=True)
     tracker.answer_local()  # (a first token): folded in at once, in this step
     assert later.pending is not None and later.pending.done() and settled(later).available
+
+
+async def test_a_deferred_lookup_in_this_process_that_fails_is_logged_not_lost() -> None:
+    """A store in this process whose read fails (a bug): the view settles unavailable, with
+    this proxy's own numbers, and the failure is logged once, as a remote lookup's is."""
+
+    class Broken(EmbeddedStore):
+        def lookup_now(
+            self, namespace: str, replicas: Sequence[str], hashes: Sequence[int]
+        ) -> LookupResult:
+            raise ValueError("an index the store could not read")
+
+    tracker = PrefixTracker(Broken(), block_bytes=BLOCK, write_delay_s=60.0)
+    view = await tracker.lookup(CHAT, body("q " * 100), [R1], deferred=True)
+    assert view.pending is not None and not view.pending.done()
+    with capture_logs() as logs:
+        tracker.answer_local()
+        await asyncio.sleep(0)
+    assert [e["event"] for e in logs] == ["lookup_failed"]
+    assert view.pending.done() and not settled(view).available
+    await tracker.flush()
