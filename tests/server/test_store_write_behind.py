@@ -57,7 +57,7 @@ async def test_the_traffic_is_counted_where_a_router_reads_it(
 ) -> None:
     """The traffic window is the router's input (the traffic-shared depth). With one replica
     and a store of the proxy's own nothing reads it, and the requests are not counted; with
-    two replicas every request is (with Redis too: other proxies route by it)."""
+    two replicas every request is."""
     other = await serve(LlamaFake(), aiohttp_server)
     for fakes, counted in (((llama_fake,), 0), ((llama_fake, other), 3)):
         client, records, app = await fleet_proxy(make_proxy, *fakes)

@@ -448,7 +448,6 @@ async def test_a_deferred_lookup_in_this_process_that_fails_is_logged_not_lost()
     assert view.pending is not None and not view.pending.done()
     with capture_logs() as logs:
         tracker.answer_local()
-        await asyncio.sleep(0)
     assert [e["event"] for e in logs] == ["lookup_failed"]
     assert view.pending.done() and not settled(view).available
     await tracker.flush()
