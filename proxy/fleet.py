@@ -379,8 +379,6 @@ class Fleet:
     def _choose(self, candidates: Sequence[Candidate], view: PrefixView | None) -> Decision:
         if view is None:
             return self.router.choose(candidates, key=0, shared_blocks=0)
-        if len(candidates) == 1:  # (the only one: no tie to break by the request's key)
-            return self.router.choose(candidates, key=0, shared_blocks=view.shared_blocks)
         return self.router.choose(
             candidates,
             key=view.key,

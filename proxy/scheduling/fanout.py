@@ -34,6 +34,7 @@ from proxy.backends.slot_api import SlotEndpoint
 from proxy.backends.slot_cache import CachedPrompt
 from proxy.records import monotonic
 from proxy.scheduling.rates import Rates
+from proxy.scheduling.slot_state import least_recently_used
 from proxy.scheduling.slots import (
     SLOT_COPY,
     SLOT_FANOUT,
@@ -99,12 +100,7 @@ class FanOut:
         if choice.reason == SLOT_QUEUE or not table.slots or table.unplaced or self.lock.locked():
             return None
         idle = [s for s in table.slots if s.idle(now)]
-        # The target: the least recently used empty idle slot (then the lowest id: the slots
-        # are in id order, so the first of equal ``last_used``).
-        target: Slot | None = None
-        for slot in idle:
-            if slot.state is None and (target is None or slot.last_used < target.last_used):
-                target = slot
+        target = least_recently_used([s for s in idle if s.state is None])
         if target is None:
             return None
         query = req.query()

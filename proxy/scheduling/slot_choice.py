@@ -64,6 +64,7 @@ from proxy.scheduling.slot_state import (
     SlotChoice,
     SlotRequest,
     _remaining,
+    least_recently_used,
 )
 
 
@@ -218,16 +219,10 @@ class SlotWeighing:
             return known
 
         # Every empty idle slot weighs the same (nothing reused, nothing lost): only the one
-        # the ties go to, the least recently used (then the lowest id: slots are in id order,
-        # so the first of equal ``last_used``), is weighed.
-        empty: Slot | None = None
-        for slot, slot_busy in zip(slots, busy, strict=True):
-            if (
-                not slot_busy
-                and slot.state is None
-                and (empty is None or slot.last_used < empty.last_used)
-            ):
-                empty = slot
+        # the ties go to, the least recently used, is weighed.
+        empty = least_recently_used(
+            [s for s, b in zip(slots, busy, strict=True) if not b and s.state is None]
+        )
         for slot, slot_busy in zip(slots, busy, strict=True):
             if not slot_busy:
                 if slot.state is None and slot is not empty:

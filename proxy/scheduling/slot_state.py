@@ -175,6 +175,16 @@ class Slot:
         return not self.tasks and self.foreign_until <= now
 
 
+def least_recently_used(slots: Iterable[Slot]) -> Slot | None:
+    """The least recently used of ``slots`` (taken in id order: of equal ``last_used``, the
+    lowest id), or None for none; a plain loop, no key function called per slot."""
+    chosen: Slot | None = None
+    for slot in slots:
+        if chosen is None or slot.last_used < chosen.last_used:
+            chosen = slot
+    return chosen
+
+
 @value
 class SlotChoice:
     """Where a request goes: a slot (pinned) or None (the server chooses)."""

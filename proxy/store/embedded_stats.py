@@ -24,6 +24,7 @@ from proxy.store.window import (
     HOUR_S,
     MINUTE_S,
     StatsWindow,
+    add_counters,
     bucket_field,
 )
 from proxy.store.window_query import WindowQuery
@@ -107,8 +108,7 @@ class StatsBuckets:
         entry = ranked.get(sample.prefix_anchor)
         if entry is None:
             entry = ranked[sample.prefix_anchor] = _Anchor()
-        for name, value in inc.items():
-            entry.counts[name] += value
+        add_counters(entry.counts, inc)
         entry.last_seen = max(entry.last_seen, sample.ts)
         if sample.prefix_label:
             entry.label = sample.prefix_label

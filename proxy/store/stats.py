@@ -249,7 +249,7 @@ _LATENCY_KEYS = {
         f"{metric}:sum",
         tuple(f"{metric}:h{i}" for i in range(len(LATENCY_BOUNDS_MS) + 1)),
     )
-    for metric in ("ttft", "ttfvt", "tpot", "e2e")
+    for metric in LATENCY_METRICS
 }
 """Each latency's counter names: its count, its sum, its histogram buckets (``latency_bucket``)."""
 _TTFT_KEYS, _TTFVT_KEYS, _TPOT_KEYS, _E2E_KEYS = (_LATENCY_KEYS[m] for m in LATENCY_METRICS)

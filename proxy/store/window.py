@@ -41,9 +41,8 @@ def bucket_field(model: str, backend: str, name: str) -> str:
 
 
 def add_counters(into: dict[str, float], counters: Mapping[str, float]) -> None:
-    """Add ``counters`` into ``into``, name by name (a batch's counters of one bucket summed
-    before they are written: the Redis store's anchor counters; a sample's own go through
-    ``proxy.store.stats.add_increments``)."""
+    """Add ``counters`` into ``into``, name by name (an application prefix's counters, in both
+    stores; a sample's own go through ``proxy.store.stats.add_increments``)."""
     for name, value in counters.items():
         into[name] = into.get(name, 0.0) + value
 

@@ -72,6 +72,37 @@ class WriteBatch:
     stats: list[StatsSample] = field(default_factory=list)
     lookups: list[Lookup] = field(default_factory=list)
     """Lookups to answer before the writes are applied (a batch's reads come first)."""
+    queued: int = 0
+    """``len(self)``, kept by the ``add_*`` methods as each write comes (``WriteBehind`` asks
+    it at every write)."""
+
+    def add_record(
+        self, namespace: str, replica: str, hashes: Sequence[int], capacity: int
+    ) -> None:
+        key = (namespace, replica, hashes[-1], len(hashes))
+        if self.records.pop(key, None) is None:  # written once, as the latest (its LRU place)
+            self.queued += 1
+        self.records[key] = (hashes, capacity)
+
+    def add_observe(self, namespace: str, hashes: Sequence[int]) -> None:
+        self.observes.append((namespace, hashes))
+        self.queued += 1
+
+    def add_in_flight(self, namespace: str, replica: str, delta: int) -> None:
+        known = self.in_flight.get(replica)
+        if known is None:
+            self.in_flight[replica] = (namespace, delta)
+            self.queued += 1
+        else:  # (summed: the namespace of its first change)
+            self.in_flight[replica] = (known[0], known[1] + delta)
+
+    def add_stat(self, sample: StatsSample) -> None:
+        self.stats.append(sample)
+        self.queued += 1
+
+    def add_lookup(self, lookup: Lookup) -> None:
+        self.lookups.append(lookup)
+        self.queued += 1
 
     def __len__(self) -> int:
         return (
@@ -137,8 +168,6 @@ class WriteBehind:
         self.delay_s = max(delay_s, 0.0)
         self.max_pending = max(max_pending, 1)
         self._batch = WriteBatch()
-        self._queued_n = 0
-        """``len(self._batch)``, kept as each write is queued (asked at every write)."""
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._hurried = False
@@ -154,7 +183,7 @@ class WriteBehind:
     @property
     def pending(self) -> int:
         """Writes queued and not yet under way."""
-        return self._queued_n
+        return self._batch.queued
 
     # -- what is queued -------------------------------------------------------------------------
 
@@ -163,35 +192,23 @@ class WriteBehind:
     ) -> None:
         if not hashes or self._full():
             return
-        records = self._batch.records
-        key = (namespace, replica, hashes[-1], len(hashes))
-        if records.pop(key, None) is None:  # written once, as the latest (its LRU place)
-            self._queued_n += 1
-        records[key] = (hashes, capacity_blocks)
+        self._batch.add_record(namespace, replica, hashes, capacity_blocks)
         self._queued()
 
     def observe_traffic(self, namespace: str, hashes: Sequence[int]) -> None:
         if self._full():
             return
-        self._batch.observes.append((namespace, hashes))
-        self._queued_n += 1
+        self._batch.add_observe(namespace, hashes)
         self._queued()
 
     def add_in_flight(self, namespace: str, replica: str, delta: int) -> None:
-        counts = self._batch.in_flight
-        known = counts.get(replica)
-        if known is None:
-            counts[replica] = (namespace, delta)
-            self._queued_n += 1
-        else:
-            counts[replica] = (known[0], known[1] + delta)
+        self._batch.add_in_flight(namespace, replica, delta)
         self._queued()
 
     def add_stats(self, sample: StatsSample) -> None:
         if self._full():
             return
-        self._batch.stats.append(sample)
-        self._queued_n += 1
+        self._batch.add_stat(sample)
         self._queued()
 
     def lookup(
@@ -200,15 +217,14 @@ class WriteBehind:
         """``PrefixStore.lookup``, sent with the next batch, before its writes (the request's own
         claim and count among them): its answer, when it comes (a failing store's, too)."""
         future: asyncio.Future[LookupResult] = asyncio.get_running_loop().create_future()
-        self._batch.lookups.append(Lookup(namespace, replicas, hashes, future))
-        self._queued_n += 1
+        self._batch.add_lookup(Lookup(namespace, replicas, hashes, future))
         self._queued()
         return future
 
     def hurry(self) -> None:
         """Send what is queued now (after the batch under way, if one is): an answer is
         awaited, or the moment that mattered has passed."""
-        if not self._queued_n:
+        if not self._batch.queued:
             return  # (a lookup in the batch under way is answered with it)
         if self._task is not None:
             self._hurried = True
@@ -218,10 +234,10 @@ class WriteBehind:
     def _full(self) -> bool:
         """Whether the queue is at its limit (in-flight counts are never dropped: they are
         summed into one entry per replica, and a lost one would skew the shared loads)."""
-        if self._queued_n < QUEUE_LIMIT * self.max_pending:
+        if self._batch.queued < QUEUE_LIMIT * self.max_pending:
             return False
         if not self.dropped:
-            log.warning("store_writes_dropped", queued=self._queued_n)
+            log.warning("store_writes_dropped", queued=self._batch.queued)
         self.dropped += 1
         return True
 
@@ -230,7 +246,7 @@ class WriteBehind:
     def _queued(self) -> None:
         if self._task is not None:
             return  # the batch under way arms the next one when it is done
-        if self._queued_n >= self.max_pending or self._hurried:
+        if self._batch.queued >= self.max_pending or self._hurried:
             self._start()
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.delay_s, self._start)
@@ -239,12 +255,12 @@ class WriteBehind:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._task is None and self._queued_n:
+        if self._task is None and self._batch.queued:
             self._hurried = False
             self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
-        batch, self._batch, self._queued_n = self._batch, WriteBatch(), 0
+        batch, self._batch = self._batch, WriteBatch()
         if self.before_apply is not None:
             self.before_apply()  # (never raises)
         try:
@@ -255,7 +271,7 @@ class WriteBehind:
         finally:
             batch.unanswered()  # (cancelled at shutdown too: nobody waits for ever)
             self._task = None
-            if self._queued_n:
+            if self._batch.queued:
                 self._queued()
             else:
                 self._hurried = False
@@ -268,7 +284,7 @@ class WriteBehind:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(task)
                 continue
-            if not self._queued_n:
+            if not self._batch.queued:
                 if self._timer is not None:
                     self._timer.cancel()
                     self._timer = None

@@ -407,7 +407,7 @@ async def test_a_queued_lookup_that_fails_or_is_cancelled_settles_unavailable() 
         assert not settled(view).available
     assert [e["event"] for e in logs] == ["lookup_failed"]
     tracker.writes._batch.lookups.clear()
-    tracker.writes._queued_n = 0  # (what the queue counts of its batch)
+    tracker.writes._batch.queued = 0  # (what the batch counts of itself)
 
 
 async def test_a_deferred_lookup_in_this_process_is_read_before_its_claim() -> None:
