@@ -36,11 +36,12 @@ import orjson
 import xxhash
 
 from proxy.canonical import apis
-from proxy.canonical.config import RuleConfig
+from proxy.canonical.config import WHITESPACE, RuleConfig
 from proxy.canonical.draft import Draft, Path
 from proxy.canonical.forms import FormView
 from proxy.canonical.outcome import Change, RuleOutcome
 from proxy.canonical.slots import system_slots, tool_slots
+from proxy.fingerprint import SYSTEM_ROLES
 
 RewriteRule = Callable[[str, dict[str, Any], RuleConfig], RuleOutcome]
 PartLister = Callable[[str, dict[str, Any], RuleConfig], Iterator[Path]]
@@ -124,6 +125,35 @@ def whitespace_parts(kind: str, body: dict[str, Any], rule: RuleConfig) -> Itera
     elif kind in apis.API_KINDS and apis.frozen_through(kind, body) is None:
         for slot in (*apis.system_slots(kind, body), *apis.tool_slots(kind, body)):
             yield slot.path
+
+
+def chat_forms_hold(view: FormView, body: dict[str, Any]) -> bool:
+    """Whether a chat request is, for both learned rules, already in its forms: no tool list,
+    no tool-call arguments, and every system or developer text a whole string marked as a
+    ``whitespace`` form. Then ``learned_rule`` would pass every part untouched, and it need not
+    run (the common request of an application that is stable already). False whenever in
+    doubt: the rules then run as ever."""
+    if body.get("tools") or body.get("functions"):
+        return False
+    messages = body.get("messages")
+    if type(messages) is not list:
+        return False
+    is_form = view.is_form
+    for message in messages:
+        if type(message) is not dict:
+            continue
+        role = message.get("role")
+        if role == "assistant":
+            if message.get("tool_calls") or message.get("function_call") is not None:
+                return False
+        elif type(role) is str and role in SYSTEM_ROLES:
+            content = message.get("content")
+            if type(content) is str:
+                if not is_form(WHITESPACE, content):
+                    return False
+            elif content is not None:
+                return False
+    return True
 
 
 def _encode(value: Any) -> bytes | None:

@@ -69,7 +69,13 @@ from proxy.canonical.config import (
 from proxy.canonical.detectors import Found, build_detectors
 from proxy.canonical.forms import FormMemory, FormView
 from proxy.canonical.gain import GainMeter
-from proxy.canonical.learned import PartLister, learned_rule, stable_json_parts, whitespace_parts
+from proxy.canonical.learned import (
+    PartLister,
+    chat_forms_hold,
+    learned_rule,
+    stable_json_parts,
+    whitespace_parts,
+)
 from proxy.canonical.notes import NoteContext, NoteMemory
 from proxy.canonical.outcome import Change, RuleOutcome, Skip
 from proxy.canonical.relocation import (
@@ -331,7 +337,10 @@ class Canonicalizer:
             run.notes = NoteContext(self.notes, namespace, defer_notes)
         api = kind in API_KINDS
         view = self.forms.view(namespace) if self.forms is not None else None
-        for name, rule_fn in API_REWRITE_RULES if api else REWRITE_RULES:
+        rules = API_REWRITE_RULES if api else REWRITE_RULES
+        if view is not None and kind == "chat" and chat_forms_hold(view, body):
+            rules = ()  # both learned rules would pass every part as it is (the common case)
+        for name, rule_fn in rules:
             rule = config.rule(name)
             if rule.enabled:
                 if view is not None and name in LEARNED_PARTS:

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from proxy.canonical import CanonicalConfig, Canonicalizer, RuleConfig
+from proxy.canonical import CanonicalConfig, Canonicalizer, RuleConfig, pipeline
 from proxy.canonical.config import RULE_OPTIONS, STABLE_JSON, default_rules
 from proxy.canonical.forms import STORE_KIND, FormMemory
-from proxy.canonical.learned import FIRST_SEEN
+from proxy.canonical.learned import FIRST_SEEN, chat_forms_hold
+from proxy.canonical.pipeline import REWRITE_RULES
 from proxy.store.embedded import EmbeddedStore
 
 CHAT = "/v1/chat/completions"
@@ -47,6 +48,7 @@ def learned() -> Canonicalizer:
     return Canonicalizer(forms=FormMemory())
 
 
+REWRITE_RULE_FNS = dict(REWRITE_RULES)
 WEATHER = tool("weather", ["zip", "city"])
 SEARCH = tool("search", ["query"])
 
@@ -294,3 +296,75 @@ def test_other_apis_learn_their_tool_order(route: str) -> None:
     first = body([b, a])
     assert canon.apply(route, first).body is first
     assert canon.apply(route, body([a, b])).body["tools"] == [b, a]
+
+
+def _skips_nothing(view: Any, body: dict[str, Any]) -> bool:
+    """What ``chat_forms_hold`` stands for: both learned rules pass ``body`` as it came."""
+    canon = learned()
+    for name in (STABLE_JSON, "whitespace"):
+        rule = canon.config.rule(name)
+        fn = canon._learned(view, name, REWRITE_RULE_FNS[name], False)
+        outcome = fn("chat", body, rule)
+        if outcome.body is not body or outcome.changes or outcome.skipped:
+            return False
+    return True
+
+
+def test_a_request_already_in_its_forms_skips_the_learned_rules(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``chat_forms_hold`` answers True only where both learned rules would pass every part
+    as it came; a text first seen, a variant of a known one, a tool list, tool-call arguments
+    or a content list make it False (the rules then run)."""
+    memory = FormMemory()
+    canon = Canonicalizer(forms=memory)
+    view = memory.view("default")
+    known = "Rules:  \r\n- be brief\r\n"
+    canon.apply(CHAT, chat([], system=known))  # the form of the system text
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    cases: list[tuple[dict[str, Any], bool]] = [
+        (chat([], system=known), True),
+        ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, True),
+        (chat([], system="Rules:\n- be brief\n"), False),  # a variant: rewritten
+        (chat([], system="Never seen."), False),  # first seen: its form is learned
+        (chat([WEATHER], system=known), False),
+        (chat([], system=known, functions=[WEATHER["function"]]), False),
+        (
+            chat(
+                [],
+                system=known,
+                messages=[
+                    {"role": "developer", "content": known},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+                ],
+            ),
+            False,
+        ),
+        (
+            chat([], messages=[{"role": "system", "content": [{"type": "text", "text": known}]}]),
+            False,
+        ),
+        (
+            chat([], messages=[{"role": "developer", "content": known}, "odd", {"role": ["x"]}]),
+            True,
+        ),
+    ]
+    for body, holds in cases:
+        assert chat_forms_hold(view, body) is holds, body
+        if holds:
+            assert _skips_nothing(view, body), body
+    # The same requests through a canonicalizer that always runs the rules: the same answers.
+    fast, slow = learned(), learned()
+    for body, _ in [(chat([], system=known), True), *cases, *cases]:
+        before = copy.deepcopy(body)
+        with monkeypatch.context() as m:
+            m.setattr(pipeline, "chat_forms_hold", lambda *_: False)
+            expected = slow.apply(CHAT, copy.deepcopy(body))
+        result = fast.apply(CHAT, body)
+        assert body == before
+        assert (result.body, result.fired, result.changes) == (
+            expected.body,
+            expected.fired,
+            expected.changes,
+        )
