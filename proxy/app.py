@@ -170,6 +170,7 @@ def build_app(
                 remote_store=settings.redis_url is not None,
                 # (one replica, a store of its own: no routing decision reads the traffic)
                 count_traffic=settings.redis_url is not None or len(fleet.replicas) > 1,
+                share_in_flight=settings.redis_url is not None,
                 write_delay_s=(
                     settings.store_write_delay_ms / 1000.0
                     if settings.store_write_delay_ms > 0

@@ -233,8 +233,9 @@ async def _attempt(
         ex.forwarded = forwarded = asyncio.Event()
         count = tracker.in_flight(view, replica.url, +1)
         claim = tracker.claim(view, replica.url, capacity, out.model)
-        assert count is not None and claim is not None
-        state.writer.spawn(_in_order(count, _after(forwarded, claim)))
+        assert claim is not None
+        later = _after(forwarded, claim)
+        state.writer.spawn(later if count is None else _in_order(count, later))
     ex.ticket = ticket = Ticket()  # held before the scheduler may wait (see ``learn``)
     admitted = False
     try:

@@ -229,6 +229,7 @@ class PrefixTracker:
         write_delay_s: float | None = None,
         remote_store: bool = False,
         count_traffic: bool = True,
+        share_in_flight: bool = True,
     ) -> None:
         self.store = store
         self.remote_store = remote_store
@@ -237,6 +238,10 @@ class PrefixTracker:
         """Requests are counted in the store's traffic window (the router's ``TrafficDepth``).
         Off where nothing reads the counts: one replica, and a store of this process's own
         (the proxy builds it so; with Redis, other proxies route by what this one counts)."""
+        self.share_in_flight = share_in_flight
+        """Requests in flight are counted in the store too, for every proxy sharing it. Off
+        for a store of this process's own: its count would be this proxy's, a moment late, and
+        a load is never read below this proxy's own count (``_view``)."""
         self.writes = None if write_delay_s is None else WriteBehind(store, delay_s=write_delay_s)
         """With ``write_delay_s``: the store writes batched and sent that much later
         (``proxy.store.write_behind``); ``in_flight``, ``claim`` and ``learn`` then queue them
@@ -401,13 +406,16 @@ class PrefixTracker:
         """Count ``delta`` requests in flight to ``replica`` (+1 before sending, -1 at the end).
 
         This proxy's own count changes now; the shared count in the store is queued (write
-        behind), or the returned coroutine, to run in the background (``RecordWriter.spawn``).
+        behind), or the returned coroutine, to run in the background (``RecordWriter.spawn``);
+        None also where nothing is shared (``share_in_flight``).
         """
         count = self._local_in_flight.get(replica, 0) + delta
         if count > 0:
             self._local_in_flight[replica] = count
         else:
             self._local_in_flight.pop(replica, None)
+        if not self.share_in_flight:
+            return None
         namespace = view.namespace if view is not None else DEFAULT_NAMESPACE
         if self.writes is not None:
             self.writes.add_in_flight(namespace, replica, delta)

@@ -72,6 +72,35 @@ async def test_the_traffic_is_counted_where_a_router_reads_it(
         assert found.window_requests == counted
 
 
+@pytest.mark.parametrize("delay_ms", [5.0, 0.0])
+async def test_a_store_of_its_own_is_not_told_the_load(
+    llama_fake: LlamaFake, make_proxy: MakeProxy, delay_ms: float
+) -> None:
+    """A store of the proxy's own would count in flight what the proxy counts already, a
+    moment late: the count is kept by the proxy alone, and routing reads that."""
+    client, records, app = await make_proxy(llama_fake.url, store_write_delay_ms=delay_ms)
+    state = app[STATE]
+    assert state.tracker.share_in_flight is False
+    told: list[tuple[str, int]] = []
+    state.store._add_in_flight = lambda replica, delta: told.append((replica, delta))
+    tracker, counted = state.tracker, []
+    count = tracker.in_flight
+
+    def counting(view: Any, replica: str, delta: int) -> Any:
+        done = count(view, replica, delta)
+        counted.append(tracker.local_in_flight(replica))
+        return done
+
+    tracker.in_flight = counting
+    for n in range(2):
+        async with client.post("/v1/chat/completions", json=chat(f"question {n}")) as r:
+            assert r.status == 200
+    await records.wait(2)
+    await state.writer.drain()
+    assert counted == [1, 0, 1, 0]  # the proxy's own count, as each went out and ended
+    assert told == []
+
+
 async def test_the_writes_wait_for_the_delay(llama_fake: LlamaFake, make_proxy: MakeProxy) -> None:
     """With a long delay nothing reaches the store until it passes (or the writer drains),
     and this proxy still predicts from its own claims."""
