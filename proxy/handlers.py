@@ -212,7 +212,7 @@ async def _attempt(
     retry on a replica of another dialect starts from the same body. The replica is claimed in
     the index and counted in flight before anything else, the scheduler's wait included: this
     proxy's next lookup finds the claim at once (a burst of related requests arriving together
-    lands together), and every proxy on the store sees the claim and the load.
+    lands together), and every proxy on the store sees the claim (and, with Redis, the load).
     """
     replica = target.replica
     ex.backend_url = replica.url
@@ -220,10 +220,11 @@ async def _attempt(
     capacity = replica.capacity_tokens(state.settings.capacity_tokens)
     replica.in_flight += 1
     # This proxy sees the claim and the count at once (``PrefixTracker.claim``). The store's
-    # writes are queued with the others and applied a moment later, the +1 before the -1 of
-    # the ``finally`` below (``proxy.store.write_behind``). Without write behind they are one
-    # background task, the count first (a task's first step runs before any task spawned
-    # after it), and the claim's walk over every block waits until the request is on its way.
+    # writes are queued with the others and applied a moment later, the +1 (Redis only:
+    # ``share_in_flight``) before the -1 of the ``finally`` below (``proxy.store.write_behind``).
+    # Without write behind they are one background task, the count first (a task's first step
+    # runs before any task spawned after it), and the claim's walk over every block waits until
+    # the request is on its way.
     tracker = state.tracker
     forwarded: asyncio.Event | None = None
     if tracker.writes is not None:  # queued, written together a moment later

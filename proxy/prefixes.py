@@ -8,10 +8,11 @@ tokens-per-byte, is the *predicted* cached tokens. Right after routing, ``claim`
 request's blocks for the chosen replica, so related requests arriving before it finishes follow
 it: at once in this proxy's own memory (``RecentClaims``, which the next lookup reads even before
 the store write has landed: a burst of related requests arriving together lands together), and
-in the store in the background for every other proxy; ``in_flight`` keeps the shared load
-count. After the response: record the blocks again (the backend now holds them), learn the
-tokens-per-byte ratio from the backend's ``prompt_tokens``, count the request in the traffic
-window and fold the finished record into the statistics — all in the background.
+in the store in the background for every other proxy; ``in_flight`` keeps this proxy's load
+count, and the shared one with Redis. After the response: record the blocks again (the backend
+now holds them), learn the tokens-per-byte ratio from the backend's ``prompt_tokens``, count the
+request in the traffic window and fold the finished record into the statistics — all in the
+background.
 
 When the store does not answer the lookup, the view falls back to this proxy's own numbers: its
 recent claims as matches, its local in-flight counts, a shared depth of 0.

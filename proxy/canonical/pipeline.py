@@ -337,12 +337,11 @@ class Canonicalizer:
             run.notes = NoteContext(self.notes, namespace, defer_notes)
         api = kind in API_KINDS
         view = self.forms.view(namespace) if self.forms is not None else None
-        rules = API_REWRITE_RULES if api else REWRITE_RULES
-        if view is not None and kind == "chat" and chat_forms_hold(view, body):
-            rules = ()  # both learned rules would pass every part as it is (the common case)
-        for name, rule_fn in rules:
+        # Both learned rules would pass every part as it is (the common case): neither runs.
+        forms_hold = view is not None and kind == "chat" and chat_forms_hold(view, body)
+        for name, rule_fn in API_REWRITE_RULES if api else REWRITE_RULES:
             rule = config.rule(name)
-            if rule.enabled:
+            if rule.enabled and not (forms_hold and name in LEARNED_PARTS):
                 if view is not None and name in LEARNED_PARTS:
                     rule_fn = self._learned(view, name, rule_fn, api)
                 self._rewrite(run, name, rule, rule_fn, kind)

@@ -112,6 +112,7 @@ async def test_same_request_same_decision_with_shared_loads(
     the other sees that load through Redis and avoids it just the same."""
     fakes = [await serve(LlamaFake(), aiohttp_server) for _ in range(2)]
     (c1, r1, app1), (_, _, app2) = await two_proxies(make_proxy, redis_server.url, *fakes)
+    assert app1[STATE].tracker.share_in_flight  # (a store of the proxy's own is not told)
     fresh = [conversation(100 + i, 1) for i in range(12)]
     idle = [await decide(app1, b) for b in fresh]
     assert idle == [await decide(app2, b) for b in fresh]

@@ -307,7 +307,7 @@ def _skips_nothing(view: Any, body: dict[str, Any]) -> bool:
         outcome = fn("chat", body, rule)
         if outcome.body is not body or outcome.changes or outcome.skipped:
             return False
-    return True
+    return not view.learned  # (nothing learned or marked anew either)
 
 
 def test_a_request_already_in_its_forms_skips_the_learned_rules(
@@ -349,22 +349,55 @@ def test_a_request_already_in_its_forms_skips_the_learned_rules(
             chat([], messages=[{"role": "developer", "content": known}, "odd", {"role": ["x"]}]),
             True,
         ),
+        (chat([], messages=[{"role": "system", "content": None}, {"role": "user"}]), True),
+        (
+            chat(
+                [],
+                system=known,
+                messages=[{"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}],
+            ),
+            False,
+        ),
     ]
     for body, holds in cases:
         assert chat_forms_hold(view, body) is holds, body
         if holds:
             assert _skips_nothing(view, body), body
-    # The same requests through a canonicalizer that always runs the rules: the same answers.
-    fast, slow = learned(), learned()
-    for body, _ in [(chat([], system=known), True), *cases, *cases]:
-        before = copy.deepcopy(body)
-        with monkeypatch.context() as m:
-            m.setattr(pipeline, "chat_forms_hold", lambda *_: False)
-            expected = slow.apply(CHAT, copy.deepcopy(body))
-        result = fast.apply(CHAT, body)
-        assert body == before
-        assert (result.body, result.fired, result.changes) == (
-            expected.body,
-            expected.fired,
-            expected.changes,
+
+    # The same requests through a canonicalizer that always runs the rules: the same answers
+    # and the same forms learned, whatever the two rules' settings (off, dry-run).
+    def outcome(result: Any) -> tuple[Any, ...]:
+        return (
+            result.body,
+            result.fired,
+            result.dry_run_fired,
+            result.changes,
+            result.skipped,
+            dict(result.learned),
+        )
+
+    ws = "whitespace"
+    for name, enabled, dry in (
+        (ws, True, False),
+        (ws, False, False),
+        (ws, True, True),
+        (STABLE_JSON, True, True),
+    ):
+        rules = dict(default_rules())
+        rules[name] = RuleConfig(enabled=enabled, dry_run=dry, options=RULE_OPTIONS[name])
+        config = CanonicalConfig(rules=rules)
+        fast_memory, slow_memory = FormMemory(), FormMemory()
+        fast = Canonicalizer(config, forms=fast_memory)
+        slow = Canonicalizer(config, forms=slow_memory)
+        for body, _ in [(chat([], system=known), True), *cases, *cases]:
+            before = copy.deepcopy(body)
+            with monkeypatch.context() as m:
+                m.setattr(pipeline, "chat_forms_hold", lambda *_: False)
+                expected = slow.apply(CHAT, copy.deepcopy(body))
+            result = fast.apply(CHAT, body)
+            assert body == before
+            assert outcome(result) == outcome(expected), (name, enabled, dry, body)
+        assert (len(fast_memory), fast_memory.text_bytes) == (
+            len(slow_memory),
+            slow_memory.text_bytes,
         )
