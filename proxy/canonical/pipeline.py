@@ -356,6 +356,14 @@ class Canonicalizer:
             if run.deferred:
                 assert run.notes is not None
                 return CanonicalResult(body, recall_notes=tuple(run.notes.missing))
+        notes = run.notes
+        if (
+            run.body is body
+            and not (run.fired or run.dry or run.changes or run.skipped or run.learned_ids)
+            and (view is None or not view.learned)
+            and (notes is None or not (notes.restored or notes.omitted))
+        ):
+            return CanonicalResult(body)  # nothing done, nothing learned: the usual answer
         run.meter.finish(run.body, forwarded=not config.dry_run)
         return CanonicalResult(
             body=body if config.dry_run else run.body,
@@ -366,8 +374,8 @@ class Canonicalizer:
             # Gains are measured on the chat layout only (the other APIs' are not mapped yet).
             meter=run.meter if (run.fired or run.dry) and not api else None,
             learned=_learned(view),
-            notes_restored=run.notes.restored if run.notes else 0,
-            note_values_omitted=run.notes.omitted if run.notes else 0,
+            notes_restored=notes.restored if notes else 0,
+            note_values_omitted=notes.omitted if notes else 0,
             would_forward=run.body if config.dry_run and run.body is not body else None,
             learned_spans=tuple(run.learned_ids),
         )
