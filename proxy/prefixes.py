@@ -357,16 +357,16 @@ class PrefixTracker:
             # failure): never left running, so neither tracked nor called back.
             pending = asyncio.get_running_loop().create_future()
             self._local.append((pending, view, namespace, replicas, hashes))
+        elif isinstance(found, asyncio.Future):  # queued with the writes: folded in as it comes
+            pending = asyncio.get_running_loop().create_future()
+            found.add_done_callback(functools.partial(_fold, pending, view))
         else:
-            if isinstance(found, asyncio.Future):  # queued with the writes: folded in as it comes
-                pending = asyncio.get_running_loop().create_future()
-                found.add_done_callback(functools.partial(_fold, pending, view))
-            else:
 
-                async def answer() -> PrefixView:
-                    return view(await found)
+            async def answer() -> PrefixView:
+                return view(await found)
 
-                pending = asyncio.ensure_future(answer())
+            pending = asyncio.ensure_future(answer())
+        if found is not None:  # a store a round trip away: tracked until it answers
             self._lookups.add(pending)
             pending.add_done_callback(self._answered)
         return PrefixView(

@@ -40,8 +40,7 @@ from proxy.canonical.config import WHITESPACE, RuleConfig
 from proxy.canonical.draft import Draft, Path
 from proxy.canonical.forms import FormView
 from proxy.canonical.outcome import Change, RuleOutcome
-from proxy.canonical.slots import system_slots, tool_slots
-from proxy.fingerprint import SYSTEM_ROLES
+from proxy.canonical.slots import is_system, system_slots, tool_slots
 
 RewriteRule = Callable[[str, dict[str, Any], RuleConfig], RuleOutcome]
 PartLister = Callable[[str, dict[str, Any], RuleConfig], Iterator[Path]]
@@ -142,11 +141,10 @@ def chat_forms_hold(view: FormView, body: dict[str, Any]) -> bool:
     for message in messages:
         if type(message) is not dict:
             continue
-        role = message.get("role")
-        if role == "assistant":
+        if message.get("role") == "assistant":
             if message.get("tool_calls") or message.get("function_call") is not None:
                 return False
-        elif type(role) is str and role in SYSTEM_ROLES:
+        elif is_system(message):  # (a part of ``whitespace_parts``, through ``system_slots``)
             content = message.get("content")
             if type(content) is str:
                 if not is_form(WHITESPACE, content):
