@@ -3,11 +3,12 @@
 Each read of the backend's answer reaches ``_StreamRelay.feed`` inside the connection's own
 callback (``proxy.wire``'s ``Answering.deliver``): its events are looked at (``StreamInspector``:
 token times, usage, the usage-only event the client did not ask for removed) and written to the
-client's transport there and then, framed as a chunk. ``relay_stream``'s coroutine wakes only
-when the answer ends or fails, when the client falls behind (reading from the backend pauses
-until the client's socket drains, within the client send deadline) or has gone (the backend's
-connection is closed so it frees its slot). A backend failure after the head ends the stream
-with an SSE error event.
+client's transport there and then, framed as a chunk (the first write carries the response's
+head when the backend's first events came with its own: one segment, as from the backend).
+``relay_stream``'s coroutine wakes only when the answer ends or fails, when the client falls
+behind (reading from the backend pauses until the client's socket drains, within the client
+send deadline) or has gone (the backend's connection is closed so it frees its slot). A backend
+failure after the head ends the stream with an SSE error event.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ CLIENT_CLOSED = 499  # nginx's convention: the client went away before the respo
 async def relay_stream(
     request: web.Request, answering: Answering, head: Head, ex: Exchange
 ) -> web.StreamResponse:
-    resp = web.StreamResponse(
+    resp = _HeldHeadResponse(
         status=head.status, headers=downstream_response_headers(head.headers, decoded=False)
     )
     resp.headers["X-Request-Id"] = ex.request_id
@@ -61,10 +62,13 @@ async def relay_stream(
         _client_gone(ex, answering)
         return resp
     relay = _StreamRelay(answering, ex, transport, chunked=getattr(writer, "chunked", True))
+    relay.head = _take_head(writer)
     failure: ProxyError | None = None
     limit = ex.send_timeout_s
     try:
-        answering.deliver(relay.feed)  # (what came with the head is fed at once, here)
+        # What came with the head is fed at once, here: its first write carries the head.
+        answering.deliver(relay.feed)
+        relay.send_head()  # (nothing came with it: the head goes alone, as it did from the backend)
         while True:  # what the reads left for the coroutine, before every wait
             if relay.error is not None:
                 break
@@ -100,6 +104,7 @@ async def relay_stream(
         _client_gone(ex, answering)
         raise
     finally:
+        relay.send_head()  # (however the relay ends, the head is out before anything else)
         relay.read_unread(report=True)  # however the relay ends, nothing is left unread
     splitter, inspector = relay.splitter, relay.inspector
     tail = relay.last  # the read that ended the answer, held to go out with the end
@@ -120,6 +125,31 @@ async def relay_stream(
     return resp
 
 
+class _HeldHeadResponse(web.StreamResponse):
+    """A streamed response whose head ``prepare`` serializes but does not send: it goes out
+    with the first bytes of the body (``_take_head``), in one write, as it came from the
+    backend, so the client reads the head and the first event together."""
+
+    _send_headers_immediately = False
+
+
+def _take_head(writer: AbstractStreamWriter) -> bytes | None:
+    """The head ``prepare`` left unsent (``_HeldHeadResponse``), taken over from the writer;
+    None when it has gone out already (or this aiohttp keeps it elsewhere, and sends it)."""
+    held = getattr(writer, "_headers_buf", None)
+    if not held or getattr(writer, "_headers_written", True) is not False:
+        send = getattr(writer, "send_headers", None)
+        if send is not None:
+            send()  # (a no-op once sent)
+        return None
+    writer._headers_buf = None  # type: ignore[attr-defined]
+    writer._headers_written = True  # type: ignore[attr-defined]
+    # Counted as sent (it goes out within this step, or as the relay ends): a failure from
+    # here on closes the connection rather than answering a 500 after it.
+    writer.output_size += len(held)
+    return bytes(held)
+
+
 class _StreamRelay:
     """A streamed answer's reads, as the connection hands them over (``Answering.deliver``):
     each is inspected and written to the client at once, inside the read's own callback. What
@@ -137,6 +167,7 @@ class _StreamRelay:
         "error",
         "ex",
         "gone",
+        "head",
         "high",
         "inspector",
         "last",
@@ -159,6 +190,8 @@ class _StreamRelay:
         self.inspector = StreamInspector(ex)
         self.high = transport.get_write_buffer_limits()[1]
         self.body_started = False
+        self.head: bytes | None = None
+        """The response's head, until it goes out with the first write (``send_head``)."""
         self.gone = False
         self.error: BaseException | None = None
         self.unread: tuple[bytes, float] | None = None
@@ -200,7 +233,10 @@ class _StreamRelay:
                 self.answering.abort()
                 self.answering.wake()
                 return
-            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+            framed = b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data
+            if self.head is not None:
+                framed, self.head = self.head + framed, None
+            transport.write(framed)
             self.body_started = True
             if transport.get_write_buffer_size() > self.high:
                 self.answering.pause()
@@ -211,6 +247,12 @@ class _StreamRelay:
                 return
         if self.unread is not None:
             self._read_unread()
+
+    def send_head(self) -> None:
+        """Write the head if no write has carried it yet (a closing transport drops it)."""
+        head, self.head = self.head, None
+        if head is not None and not self.transport.is_closing():
+            self.transport.write(head)
 
     def read_unread(self, *, report: bool = False) -> None:
         """Read the read left unread, if any (``READ_AFTER_WRITE_S``); a failure is handed to

@@ -171,6 +171,7 @@ class Knobs:
     header_delay_s: float = 0.0  # before the status line is sent
     ping_first: bool = False  # an SSE comment before the first token
     head_only: bool = False  # a stream's head, then nothing (until the client closes)
+    head_with_first: bool = False  # a stream's head in the same write as its first event
     fail_after: int | None = None  # a mid-stream error event after N token events
     stall_after: int | None = None  # stop sending (but keep the connection) after N token events
     reject_status: int | None = None  # answer the first result with this HTTP error
@@ -483,7 +484,8 @@ class FakeBackend:
             self.closed.set()
 
     async def _open_stream(self, request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(
+        kind = _HeadWithFirstWrite if self.knobs.head_with_first else web.StreamResponse
+        resp = kind(
             status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
@@ -556,6 +558,13 @@ class FakeBackend:
             self.closed.set()
             raise
         return resp
+
+
+class _HeadWithFirstWrite(web.StreamResponse):
+    """A stream whose head aiohttp sends with the first body write (as uvicorn, and so vLLM,
+    sends a stream's head with its first event)."""
+
+    _send_headers_immediately = False
 
 
 FakeBackendT = TypeVar("FakeBackendT", bound=FakeBackend)

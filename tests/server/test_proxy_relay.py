@@ -275,6 +275,45 @@ async def test_a_head_with_nothing_after_it_reaches_the_client_at_once(
             assert resp.headers["X-Accel-Buffering"] == "no"
 
 
+@pytest.mark.parametrize("together", [True, False])
+async def test_the_head_goes_out_with_the_first_events_that_came_with_it(
+    llama_fake: LlamaFake, make_proxy: MakeProxy, monkeypatch: pytest.MonkeyPatch, together: bool
+) -> None:
+    """A backend's head and first events read together reach the client in one write (one
+    segment: the client reads them at once); a head that came alone goes out alone, at once (a
+    backend still prefilling keeps its client informed)."""
+    from asyncio import selector_events
+
+    writes: list[bytes] = []
+    original = selector_events._SelectorSocketTransport.write
+
+    def recorded(self: Any, data: Any) -> None:
+        writes.append(bytes(data))
+        original(self, data)
+
+    monkeypatch.setattr(selector_events._SelectorSocketTransport, "write", recorded)
+    llama_fake.knobs.head_with_first = together
+    llama_fake.knobs.head_only = not together
+    llama_fake.knobs.token_delay_s = 0.05  # (the answer's first read is not all of it)
+    client, _, _ = await make_proxy(llama_fake.url)
+    async with asyncio.timeout(5):
+        async with client.post("/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+            assert resp.status == 200
+            body = await resp.read() if together else b""
+    heads = [w for w in writes if w.startswith(b"HTTP/1.1 200") and b"X-Request-Id" in w]
+    assert len(heads) == 1
+    head, _, rest = heads[0].partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding: chunked" in head
+    if not together:
+        assert rest == b""
+        return
+    size, _, framed = rest.partition(b"\r\n")
+    chunk = framed[: int(size, 16)]
+    assert framed == chunk + b"\r\n"
+    assert body.startswith(chunk)
+    assert b'"role":"assistant"' in chunk
+
+
 async def test_records_of_overlapping_requests_all_come_and_nothing_stays_held(
     llama_fake: LlamaFake, make_proxy: MakeProxy
 ) -> None:
