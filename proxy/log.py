@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 import orjson
 import structlog
+
+from proxy.timestamps import iso_us
 
 _LEVELS = {
     "debug": logging.DEBUG,
@@ -115,7 +117,7 @@ def info_line(event: str, fields: dict[str, Any]) -> bool:
     for key, value in structlog.contextvars.get_contextvars().items():
         fields.setdefault(key, value)
     fields["level"] = "info"
-    fields["logged_at"] = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    fields["logged_at"] = iso_us(time.time())
     line = _dumps(fields) + b"\n"
     if _held is not None:
         _held.append(line)

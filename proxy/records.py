@@ -18,8 +18,9 @@ import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Literal
+
+from proxy.timestamps import iso_ms
 
 CachedSource = Literal["reported", "unknown"]
 TimingSource = Literal["observed", "backend", "none"]
@@ -387,11 +388,7 @@ def _rate(value: float | None) -> float | None:
 
 def iso_utc(epoch_s: float) -> str:
     """``epoch_s`` as an ISO 8601 UTC string with milliseconds (a record's ``ts``)."""
-    return (
-        datetime.fromtimestamp(epoch_s, UTC)
-        .isoformat(timespec="milliseconds")
-        .replace("+00:00", "Z")
-    )
+    return iso_ms(epoch_s)
 
 
 @dataclass(slots=True)

@@ -251,6 +251,29 @@ class Prefills:
         return self._cum_weighted[k] + x * (self._cum_weight[-1] - self._cum_weight[k])
 
 
+def _unindex(
+    index: dict[tuple[int, int], list[tuple[int, CachedPrompt]]],
+    lengths: Counter[int],
+    key: tuple[int, int],
+    seq: int,
+) -> None:
+    """Take remembered prompt ``seq`` out of ``index`` (under ``key``) and its length count."""
+    bucket = index.get(key)
+    if bucket is not None:
+        if len(bucket) == 1 and bucket[0][0] == seq:  # the usual: a key of its own
+            del index[key]
+        else:
+            bucket[:] = [item for item in bucket if item[0] != seq]
+            if not bucket:
+                del index[key]
+    n = key[0]
+    left = lengths[n] - 1
+    if left > 0:
+        lengths[n] = left
+    else:
+        del lengths[n]
+
+
 class RecentPrompts:
     """The latest prompts sent (at most ``maxlen``), and which of them a new prompt continues.
 
@@ -318,23 +341,10 @@ class RecentPrompts:
         if self._anchors[anchor] <= 0:
             del self._anchors[anchor]
         seg, block = self._keys(state)
-        for index, key, lengths in (
-            (self._by_segment, seg, self._segment_lengths),
-            (self._by_block, block, self._block_lengths),
-        ):
-            if key is None:
-                continue
-            bucket = index.get(key)
-            if bucket is not None:
-                if len(bucket) == 1 and bucket[0][0] == seq:  # the usual: a key of its own
-                    del index[key]
-                else:
-                    bucket[:] = [item for item in bucket if item[0] != seq]
-                    if not bucket:
-                        del index[key]
-            lengths[key[0]] -= 1
-            if lengths[key[0]] <= 0:
-                del lengths[key[0]]
+        if seg is not None:
+            _unindex(self._by_segment, self._segment_lengths, seg, seq)
+        if block is not None:
+            _unindex(self._by_block, self._block_lengths, block, seq)
 
     def continued_by(
         self, query: PromptQuery, exclude: CachedPrompt | None = None

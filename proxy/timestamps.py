@@ -1,0 +1,45 @@
+"""ISO 8601 UTC timestamps for the lines written per request, without a ``datetime`` each.
+
+A record's ``ts`` and its line's ``logged_at`` are written for every request; the text of the
+whole second is kept for the few seconds in use, and only the fraction is formatted. The
+results are exactly ``datetime.fromtimestamp(epoch_s, UTC).isoformat(...)``'s, with ``Z`` for
+``+00:00`` (the fraction rounded to microseconds half to even, as ``datetime`` rounds it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+_HEADS: dict[int, str] = {}
+"""The text of each whole second asked for lately (a handful: cleared past ``_HEADS_MAX``)."""
+_HEADS_MAX = 16
+
+
+def _split(epoch_s: float) -> tuple[str, int]:
+    """The whole second's ``YYYY-MM-DDTHH:MM:SS`` and the microseconds, as ``datetime`` has them."""
+    frac, whole = math.modf(epoch_s)
+    us = round(frac * 1e6)
+    second = int(whole)
+    if us >= 1_000_000:
+        second, us = second + 1, us - 1_000_000
+    elif us < 0:
+        second, us = second - 1, us + 1_000_000
+    head = _HEADS.get(second)
+    if head is None:
+        if len(_HEADS) >= _HEADS_MAX:
+            _HEADS.clear()
+        head = _HEADS[second] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+    return head, us
+
+
+def iso_ms(epoch_s: float) -> str:
+    """``epoch_s`` with milliseconds: ``isoformat(timespec="milliseconds")``."""
+    head, us = _split(epoch_s)
+    return f"{head}.{us // 1000:03d}Z"
+
+
+def iso_us(epoch_s: float) -> str:
+    """``epoch_s`` as ``isoformat()`` writes it: microseconds, none when they are zero."""
+    head, us = _split(epoch_s)
+    return f"{head}.{us:06d}Z" if us else f"{head}Z"
