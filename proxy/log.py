@@ -117,7 +117,7 @@ def info_line(event: str, fields: dict[str, Any]) -> bool:
     for key, value in structlog.contextvars.get_contextvars().items():
         fields.setdefault(key, value)
     fields["level"] = "info"
-    fields["logged_at"] = iso_us(time.time())
+    fields["logged_at"] = iso_us(time.time_ns())
     line = _dumps(fields) + b"\n"
     if _held is not None:
         _held.append(line)

@@ -2,8 +2,9 @@
 
 A record's ``ts`` and its line's ``logged_at`` are written for every request; the text of the
 whole second is kept for the few seconds in use, and only the fraction is formatted. The
-results are exactly ``datetime.fromtimestamp(epoch_s, UTC).isoformat(...)``'s, with ``Z`` for
-``+00:00`` (the fraction rounded to microseconds half to even, as ``datetime`` rounds it).
+results are exactly ``datetime``'s ISO text, with ``Z`` for ``+00:00``: ``iso_ms`` of a float
+as ``datetime.fromtimestamp`` has it (rounded to microseconds half to even), ``iso_us`` of the
+clock's nanoseconds as ``datetime.now`` has them (rounded down), for years 1000 to 9999.
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ def _split(epoch_s: float) -> tuple[str, int]:
         second, us = second - 1, us + 1_000_000
     head = _HEADS.get(second)
     if head is None:
-        if len(_HEADS) >= _HEADS_MAX:
-            _HEADS.clear()
-        head = _HEADS[second] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        head = _head(second)
     return head, us
 
 
@@ -39,7 +38,19 @@ def iso_ms(epoch_s: float) -> str:
     return f"{head}.{us // 1000:03d}Z"
 
 
-def iso_us(epoch_s: float) -> str:
-    """``epoch_s`` as ``isoformat()`` writes it: microseconds, none when they are zero."""
-    head, us = _split(epoch_s)
+def iso_us(epoch_ns: int) -> str:
+    """``epoch_ns`` (``time.time_ns()``) as ``datetime.now(UTC).isoformat()`` writes the same
+    instant (structlog's ``TimeStamper`` too): microseconds rounded down, none when they are
+    zero."""
+    second, us = divmod(epoch_ns // 1000, 1_000_000)
+    head = _HEADS.get(second)
+    if head is None:
+        head = _head(second)
     return f"{head}.{us:06d}Z" if us else f"{head}Z"
+
+
+def _head(second: int) -> str:
+    if len(_HEADS) >= _HEADS_MAX:
+        _HEADS.clear()
+    head = _HEADS[second] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+    return head

@@ -561,8 +561,8 @@ class FakeBackend:
 
 
 class _HeadWithFirstWrite(web.StreamResponse):
-    """A stream whose head aiohttp sends with the first body write (as uvicorn, and so vLLM,
-    sends a stream's head with its first event)."""
+    """A stream whose head aiohttp sends with the first body write (as the overhead
+    benchmark's fake backend does; llama-server sends its head alone, before the prefill)."""
 
     _send_headers_immediately = False
 

@@ -307,6 +307,7 @@ async def test_the_head_goes_out_with_the_first_events_that_came_with_it(
     if not together:
         assert rest == b""
         return
+    assert rest, "the head went out without the events that came with it"
     size, _, framed = rest.partition(b"\r\n")
     chunk = framed[: int(size, 16)]
     assert framed == chunk + b"\r\n"
