@@ -21,7 +21,8 @@ from proxy.backends import Dialect
 from proxy.fingerprint import hex64
 from proxy.hosted import PROMPT_CACHE_KEY
 from proxy.prefixes import logged_segments, prefix_label, settled
-from proxy.records import Observation, RecordBuilder, RequestRecord, iso_utc
+from proxy.records import Observation, RecordBuilder, RequestRecord
+from proxy.timestamps import iso_ms
 from proxy.wire import Body
 
 if TYPE_CHECKING:
@@ -178,7 +179,7 @@ def build_record(
     target, view, canonical, ticket = ex.target, ex.view, ex.canonical, ex.ticket
     record = builder.build(
         ex.obs,
-        ts=iso_utc(ex.t_wall),
+        ts=iso_ms(ex.t_wall),
         request_id=ex.request_id,
         route=ex.upstream_path,
         model=ex.model,

@@ -20,8 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from proxy.timestamps import iso_ms
-
 CachedSource = Literal["reported", "unknown"]
 TimingSource = Literal["observed", "backend", "none"]
 
@@ -384,11 +382,6 @@ def record_key(name: str) -> str:
 
 def _rate(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
-
-
-def iso_utc(epoch_s: float) -> str:
-    """``epoch_s`` as an ISO 8601 UTC string with milliseconds (a record's ``ts``)."""
-    return iso_ms(epoch_s)
 
 
 @dataclass(slots=True)

@@ -17,25 +17,16 @@ _HEADS: dict[int, str] = {}
 _HEADS_MAX = 16
 
 
-def _split(epoch_s: float) -> tuple[str, int]:
-    """The whole second's ``YYYY-MM-DDTHH:MM:SS`` and the microseconds, as ``datetime`` has them."""
+def iso_ms(epoch_s: float) -> str:
+    """``epoch_s`` with milliseconds: ``isoformat(timespec="milliseconds")``."""
     frac, whole = math.modf(epoch_s)
-    us = round(frac * 1e6)
+    us = round(frac * 1e6)  # (as ``datetime.fromtimestamp`` rounds it, then carries)
     second = int(whole)
     if us >= 1_000_000:
         second, us = second + 1, us - 1_000_000
     elif us < 0:
         second, us = second - 1, us + 1_000_000
-    head = _HEADS.get(second)
-    if head is None:
-        head = _head(second)
-    return head, us
-
-
-def iso_ms(epoch_s: float) -> str:
-    """``epoch_s`` with milliseconds: ``isoformat(timespec="milliseconds")``."""
-    head, us = _split(epoch_s)
-    return f"{head}.{us // 1000:03d}Z"
+    return f"{_head(second)}.{us // 1000:03d}Z"
 
 
 def iso_us(epoch_ns: int) -> str:
@@ -43,14 +34,14 @@ def iso_us(epoch_ns: int) -> str:
     instant (structlog's ``TimeStamper`` too): microseconds rounded down, none when they are
     zero."""
     second, us = divmod(epoch_ns // 1000, 1_000_000)
-    head = _HEADS.get(second)
-    if head is None:
-        head = _head(second)
-    return f"{head}.{us:06d}Z" if us else f"{head}Z"
+    return f"{_head(second)}.{us:06d}Z" if us else f"{_head(second)}Z"
 
 
 def _head(second: int) -> str:
-    if len(_HEADS) >= _HEADS_MAX:
-        _HEADS.clear()
-    head = _HEADS[second] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+    """The whole second's ``YYYY-MM-DDTHH:MM:SS``."""
+    head = _HEADS.get(second)
+    if head is None:
+        if len(_HEADS) >= _HEADS_MAX:
+            _HEADS.clear()
+        head = _HEADS[second] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
     return head

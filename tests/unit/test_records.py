@@ -335,7 +335,7 @@ async def test_a_record_that_fails_to_go_out_costs_only_itself() -> None:
 
 
 def test_a_records_arrival_is_written_in_utc_with_milliseconds() -> None:
-    from proxy.records import iso_utc
+    from proxy.timestamps import iso_ms
 
-    assert iso_utc(0.0) == "1970-01-01T00:00:00.000Z"
-    assert iso_utc(1796533390.4559) == "2026-12-06T05:03:10.455Z"
+    assert iso_ms(0.0) == "1970-01-01T00:00:00.000Z"
+    assert iso_ms(1796533390.4559) == "2026-12-06T05:03:10.455Z"
